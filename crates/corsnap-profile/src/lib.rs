@@ -1,0 +1,140 @@
+//! corsnap's profile model: frames, stacks and threads interned once, samples
+//! pointing at them. Every writer reads a [`Profile`]; nothing here knows
+//! about the command line.
+
+#![forbid(unsafe_code)]
+
+mod builder;
+pub mod writers;
+
+pub use builder::ProfileBuilder;
+
+use std::collections::HashMap;
+
+/// Index into [`Profile::frames`].
+pub type FrameIdx = u32;
+/// Index into [`Profile::stacks`].
+pub type StackIdx = u32;
+/// Index into [`Profile::threads`].
+pub type ThreadIdx = u32;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FrameKind {
+    /// A managed method with a resolved name.
+    Managed,
+    /// A run of unmanaged frames the runtime skipped over (`[native code]`).
+    Native,
+    /// A `FunctionID` whose name the agent never sent.
+    Unresolved,
+    /// Marks a stack the agent cut short at its buffer size.
+    Truncated,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Frame {
+    /// What a person reads: `Shop.Billing.Ledger<TKey>+Entry.Settle<TValue>`.
+    pub name: String,
+    /// The module file it lives in (`app.dll`), empty when unknown.
+    pub module: String,
+    pub kind: FrameKind,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Thread {
+    pub os_tid: u32,
+    /// Empty when the program never named the thread.
+    pub name: String,
+}
+
+impl Thread {
+    /// `worker-3 tid=1234`, or `tid=1234` for an unnamed thread.
+    pub fn label(&self) -> String {
+        if self.name.is_empty() {
+            format!("tid={}", self.os_tid)
+        } else {
+            format!("{} tid={}", self.name, self.os_tid)
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sample {
+    /// Nanoseconds since the agent started sampling.
+    pub time_ns: u64,
+    pub thread: ThreadIdx,
+    pub stack: StackIdx,
+    /// How much this sample counts (1 per tick for wall-clock sampling).
+    pub weight: u64,
+}
+
+/// What the recording was, for writers that show it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Meta {
+    /// The command that was profiled, as the user typed it.
+    pub command: String,
+    pub pid: u32,
+    pub runtime_version: String,
+    pub rate_hz: u32,
+    pub start_unix_ms: u64,
+    pub stats: Option<corsnap_wire::SamplerStats>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Profile {
+    pub meta: Meta,
+    pub frames: Vec<Frame>,
+    /// Each stack is a list of frames, **leaf first** (as the runtime reports them).
+    pub stacks: Vec<Vec<FrameIdx>>,
+    pub threads: Vec<Thread>,
+    pub samples: Vec<Sample>,
+    frame_index: HashMap<Frame, FrameIdx>,
+    stack_index: HashMap<Vec<FrameIdx>, StackIdx>,
+    thread_index: HashMap<Thread, ThreadIdx>,
+}
+
+impl Profile {
+    pub fn new(meta: Meta) -> Self {
+        Profile { meta, ..Default::default() }
+    }
+
+    pub fn intern_frame(&mut self, frame: Frame) -> FrameIdx {
+        if let Some(&i) = self.frame_index.get(&frame) {
+            return i;
+        }
+        let i = self.frames.len() as FrameIdx;
+        self.frames.push(frame.clone());
+        self.frame_index.insert(frame, i);
+        i
+    }
+
+    /// `frames` leaf first.
+    pub fn intern_stack(&mut self, frames: &[FrameIdx]) -> StackIdx {
+        if let Some(&i) = self.stack_index.get(frames) {
+            return i;
+        }
+        let i = self.stacks.len() as StackIdx;
+        self.stacks.push(frames.to_vec());
+        self.stack_index.insert(frames.to_vec(), i);
+        i
+    }
+
+    pub fn intern_thread(&mut self, thread: Thread) -> ThreadIdx {
+        if let Some(&i) = self.thread_index.get(&thread) {
+            return i;
+        }
+        let i = self.threads.len() as ThreadIdx;
+        self.threads.push(thread.clone());
+        self.thread_index.insert(thread, i);
+        i
+    }
+
+    /// Total weight of all samples.
+    pub fn total_weight(&self) -> u64 {
+        self.samples.iter().map(|s| s.weight).sum()
+    }
+
+    /// Frame names of a stack, root first: the order flame graphs draw.
+    pub fn stack_names_root_first(&self, stack: StackIdx) -> impl Iterator<Item = &str> {
+        self.stacks[stack as usize].iter().rev().map(|&f| self.frames[f as usize].name.as_str())
+    }
+}

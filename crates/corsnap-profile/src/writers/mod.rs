@@ -1,0 +1,1 @@
+//! Every output format, behind one trait.

@@ -1,0 +1,541 @@
+//! The messages the agent sends to the `corsnap` command line tool, and the
+//! raw recording file that `corsnap report` re-renders.
+//!
+//! One encoding serves both: a message is a frame `u32 length (LE) | u8 tag |
+//! payload`, and a raw recording is a header followed by the same frames the
+//! agent sent. Decoding never trusts a length: every read is bounds-checked
+//! and a frame larger than [`MAX_FRAME_LEN`] is refused, because the bytes come
+//! from another process (or from a file a user hands us).
+
+#![forbid(unsafe_code)]
+
+use std::fmt;
+use std::io::{self, Read, Write};
+
+/// Bumped whenever a message changes shape; the CLI refuses other versions.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// No legitimate frame comes near this: a 8192-frame stack is 64 KiB.
+pub const MAX_FRAME_LEN: u32 = 4 * 1024 * 1024;
+
+/// First bytes of a raw recording file.
+pub const RAW_MAGIC: &[u8; 8] = b"CORSNAP\0";
+/// Version of the raw recording container (independent of the protocol).
+pub const RAW_VERSION: u32 = 1;
+
+/// The environment variable that tells a launched agent where the CLI listens.
+pub const ENV_SOCKET: &str = "CORSNAP_SOCKET";
+/// Sampling rate for a launched agent, in Hz.
+pub const ENV_RATE: &str = "CORSNAP_RATE_HZ";
+/// Path of the agent's own log file; unset means the agent logs nothing.
+pub const ENV_LOG: &str = "CORSNAP_AGENT_LOG";
+
+/// The agent's CLSID, as the runtime wants it in `CORECLR_PROFILER`.
+pub const AGENT_CLSID: &str = "{6A3B7C2E-9D41-4F8A-B5E2-3C7D1A9F0E64}";
+
+/// Counters the agent keeps about its own sampling, so a user (and the
+/// benchmark) can see what profiling cost.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SamplerStats {
+    /// Timer ticks that suspended the runtime and walked.
+    pub ticks: u64,
+    /// Ticks skipped because the runtime could not be suspended (a GC or
+    /// another suspension was in progress).
+    pub skipped_ticks: u64,
+    /// Thread stacks recorded.
+    pub samples: u64,
+    /// `DoStackSnapshot` calls that failed with something other than the
+    /// harmless "no managed frames" `E_FAIL`.
+    pub walk_errors: u64,
+    /// Stacks cut short because they had more frames than the buffer holds.
+    pub truncated_stacks: u64,
+    /// Nanoseconds spent in `SuspendRuntime`, summed over ticks.
+    pub suspend_ns: u64,
+    /// Nanoseconds spent walking all threads while suspended, summed.
+    pub walk_ns: u64,
+    /// Nanoseconds spent in `ResumeRuntime`, summed.
+    pub resume_ns: u64,
+    /// The longest single tick (suspend + walk + resume), in nanoseconds.
+    pub max_tick_ns: u64,
+    /// Function names resolved (each once).
+    pub names_resolved: u64,
+    /// Function names that could not be resolved.
+    pub name_failures: u64,
+}
+
+/// Everything that travels from the agent to the CLI. `Recording` is written
+/// only by the CLI, at the head of a raw recording file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Message {
+    /// First message of a session.
+    Hello {
+        protocol: u32,
+        pid: u32,
+        /// The runtime's version as read from its own files, e.g. `8.0.4`.
+        runtime_version: String,
+        /// Highest `ICorProfilerInfo` the runtime gave us.
+        info_version: u32,
+        rate_hz: u32,
+        attached: bool,
+    },
+    /// A managed thread's identity, sent when first seen and whenever its OS
+    /// thread or name changes.
+    Thread { thread_id: u64, os_tid: u32, name: String },
+    /// A `FunctionID` resolved to its readable name, sent once per id.
+    Function { function_id: u64, name: String, module: String },
+    /// One stack of one thread, leaf first; a `0` frame is a run of unmanaged
+    /// frames.
+    Sample { time_ns: u64, thread_id: u64, truncated: bool, frames: Vec<u64> },
+    /// The agent's running totals.
+    Stats(SamplerStats),
+    /// A line for the user (a warning or an explanation of a failure).
+    Notice { severity: Severity, text: String },
+    /// Last message of a session.
+    Goodbye { reason: String },
+    /// CLI-side header of a raw recording: what was run and when.
+    Recording { command: String, start_unix_ms: u64 },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Severity {
+    Info = 0,
+    Warning = 1,
+    Error = 2,
+}
+
+mod tag {
+    pub const HELLO: u8 = 1;
+    pub const THREAD: u8 = 2;
+    pub const FUNCTION: u8 = 3;
+    pub const SAMPLE: u8 = 4;
+    pub const STATS: u8 = 5;
+    pub const NOTICE: u8 = 6;
+    pub const GOODBYE: u8 = 7;
+    pub const RECORDING: u8 = 8;
+}
+
+/// Why bytes could not be turned into a message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DecodeError {
+    /// The frame ended before a field did.
+    Truncated,
+    /// The declared frame length is over [`MAX_FRAME_LEN`].
+    FrameTooLarge(u32),
+    UnknownTag(u8),
+    /// A string field is not UTF-8.
+    BadUtf8,
+    /// A field had a value no encoder produces.
+    BadValue(&'static str),
+    /// Bytes were left over after the last field.
+    TrailingBytes(usize),
+}
+
+impl fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DecodeError::Truncated => write!(f, "message ends early"),
+            DecodeError::FrameTooLarge(n) => {
+                write!(f, "message of {n} bytes is over the {MAX_FRAME_LEN}-byte limit")
+            }
+            DecodeError::UnknownTag(t) => write!(f, "unknown message type {t}"),
+            DecodeError::BadUtf8 => write!(f, "text field is not valid UTF-8"),
+            DecodeError::BadValue(what) => write!(f, "invalid value for {what}"),
+            DecodeError::TrailingBytes(n) => write!(f, "{n} unexpected bytes after the message"),
+        }
+    }
+}
+
+impl std::error::Error for DecodeError {}
+
+impl From<DecodeError> for io::Error {
+    fn from(e: DecodeError) -> Self {
+        io::Error::new(io::ErrorKind::InvalidData, e)
+    }
+}
+
+/// Appends little-endian fields to a buffer. The agent reuses one buffer, so
+/// encoding a sample allocates only when the buffer has to grow.
+#[derive(Debug)]
+struct Writer<'a> {
+    buf: &'a mut Vec<u8>,
+}
+
+impl<'a> Writer<'a> {
+    fn new(buf: &'a mut Vec<u8>) -> Self {
+        Writer { buf }
+    }
+    fn out(&mut self) -> &mut Vec<u8> {
+        self.buf
+    }
+    fn u8(&mut self, v: u8) {
+        self.out().push(v);
+    }
+    fn u32(&mut self, v: u32) {
+        self.out().extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.out().extend_from_slice(&v.to_le_bytes());
+    }
+    fn str(&mut self, s: &str) {
+        let bytes = s.as_bytes();
+        // A string longer than the frame limit would be refused on the other
+        // side anyway; cut it at a char boundary instead.
+        let mut end = bytes.len().min(MAX_STRING_LEN);
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        self.u32(end as u32);
+        self.out().extend_from_slice(&bytes[..end]);
+    }
+}
+
+/// Names and reasons are cut to this many bytes.
+pub const MAX_STRING_LEN: usize = 64 * 1024;
+
+impl Message {
+    /// Appends this message, framed, to `buf`.
+    pub fn encode_into(&self, buf: &mut Vec<u8>) {
+        let start = buf.len();
+        buf.extend_from_slice(&[0; 4]);
+        let mut w = Writer::new(buf);
+        match self {
+            Message::Hello { protocol, pid, runtime_version, info_version, rate_hz, attached } => {
+                w.u8(tag::HELLO);
+                w.u32(*protocol);
+                w.u32(*pid);
+                w.str(runtime_version);
+                w.u32(*info_version);
+                w.u32(*rate_hz);
+                w.u8(u8::from(*attached));
+            }
+            Message::Thread { thread_id, os_tid, name } => {
+                w.u8(tag::THREAD);
+                w.u64(*thread_id);
+                w.u32(*os_tid);
+                w.str(name);
+            }
+            Message::Function { function_id, name, module } => {
+                w.u8(tag::FUNCTION);
+                w.u64(*function_id);
+                w.str(name);
+                w.str(module);
+            }
+            Message::Sample { time_ns, thread_id, truncated, frames } => {
+                encode_sample_fields(&mut w, *time_ns, *thread_id, *truncated, frames);
+            }
+            Message::Stats(s) => {
+                w.u8(tag::STATS);
+                for v in stats_fields(s) {
+                    w.u64(v);
+                }
+            }
+            Message::Notice { severity, text } => {
+                w.u8(tag::NOTICE);
+                w.u8(*severity as u8);
+                w.str(text);
+            }
+            Message::Goodbye { reason } => {
+                w.u8(tag::GOODBYE);
+                w.str(reason);
+            }
+            Message::Recording { command, start_unix_ms } => {
+                w.u8(tag::RECORDING);
+                w.str(command);
+                w.u64(*start_unix_ms);
+            }
+        }
+        finish_frame(buf, start);
+    }
+
+    /// Decodes one frame's body (the bytes after the length prefix).
+    pub fn decode(body: &[u8]) -> Result<Message, DecodeError> {
+        let mut r = Reader { rest: body };
+        let msg = match r.u8()? {
+            tag::HELLO => Message::Hello {
+                protocol: r.u32()?,
+                pid: r.u32()?,
+                runtime_version: r.string()?,
+                info_version: r.u32()?,
+                rate_hz: r.u32()?,
+                attached: r.bool()?,
+            },
+            tag::THREAD => {
+                Message::Thread { thread_id: r.u64()?, os_tid: r.u32()?, name: r.string()? }
+            }
+            tag::FUNCTION => Message::Function {
+                function_id: r.u64()?,
+                name: r.string()?,
+                module: r.string()?,
+            },
+            tag::SAMPLE => {
+                let time_ns = r.u64()?;
+                let thread_id = r.u64()?;
+                let truncated = r.bool()?;
+                let count = r.u32()? as usize;
+                if count > r.rest.len() / 8 {
+                    return Err(DecodeError::Truncated);
+                }
+                let mut frames = Vec::with_capacity(count);
+                for _ in 0..count {
+                    frames.push(r.u64()?);
+                }
+                Message::Sample { time_ns, thread_id, truncated, frames }
+            }
+            tag::STATS => {
+                let mut v = [0u64; STATS_FIELDS];
+                for slot in &mut v {
+                    *slot = r.u64()?;
+                }
+                Message::Stats(stats_from_fields(v))
+            }
+            tag::NOTICE => {
+                let severity = match r.u8()? {
+                    0 => Severity::Info,
+                    1 => Severity::Warning,
+                    2 => Severity::Error,
+                    _ => return Err(DecodeError::BadValue("severity")),
+                };
+                Message::Notice { severity, text: r.string()? }
+            }
+            tag::GOODBYE => Message::Goodbye { reason: r.string()? },
+            tag::RECORDING => Message::Recording { command: r.string()?, start_unix_ms: r.u64()? },
+            other => return Err(DecodeError::UnknownTag(other)),
+        };
+        if !r.rest.is_empty() {
+            return Err(DecodeError::TrailingBytes(r.rest.len()));
+        }
+        Ok(msg)
+    }
+}
+
+/// Encodes a sample straight from a borrowed frame slice, so the sampler never
+/// builds a `Message` (and a `Vec`) per stack.
+pub fn encode_sample(buf: &mut Vec<u8>, time_ns: u64, thread_id: u64, truncated: bool, frames: &[u64]) {
+    let start = buf.len();
+    buf.extend_from_slice(&[0; 4]);
+    let mut w = Writer::new(buf);
+    encode_sample_fields(&mut w, time_ns, thread_id, truncated, frames);
+    finish_frame(buf, start);
+}
+
+fn encode_sample_fields(w: &mut Writer<'_>, time_ns: u64, thread_id: u64, truncated: bool, frames: &[u64]) {
+    w.u8(tag::SAMPLE);
+    w.u64(time_ns);
+    w.u64(thread_id);
+    w.u8(u8::from(truncated));
+    w.u32(frames.len() as u32);
+    for f in frames {
+        w.u64(*f);
+    }
+}
+
+fn finish_frame(buf: &mut [u8], start: usize) {
+    let len = (buf.len() - start - 4) as u32;
+    buf[start..start + 4].copy_from_slice(&len.to_le_bytes());
+}
+
+const STATS_FIELDS: usize = 11;
+
+fn stats_fields(s: &SamplerStats) -> [u64; STATS_FIELDS] {
+    [
+        s.ticks,
+        s.skipped_ticks,
+        s.samples,
+        s.walk_errors,
+        s.truncated_stacks,
+        s.suspend_ns,
+        s.walk_ns,
+        s.resume_ns,
+        s.max_tick_ns,
+        s.names_resolved,
+        s.name_failures,
+    ]
+}
+
+fn stats_from_fields(v: [u64; STATS_FIELDS]) -> SamplerStats {
+    SamplerStats {
+        ticks: v[0],
+        skipped_ticks: v[1],
+        samples: v[2],
+        walk_errors: v[3],
+        truncated_stacks: v[4],
+        suspend_ns: v[5],
+        walk_ns: v[6],
+        resume_ns: v[7],
+        max_tick_ns: v[8],
+        names_resolved: v[9],
+        name_failures: v[10],
+    }
+}
+
+struct Reader<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        if self.rest.len() < n {
+            return Err(DecodeError::Truncated);
+        }
+        let (head, tail) = self.rest.split_at(n);
+        self.rest = tail;
+        Ok(head)
+    }
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take(1)?[0])
+    }
+    fn bool(&mut self) -> Result<bool, DecodeError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(DecodeError::BadValue("flag")),
+        }
+    }
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        let b = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_le_bytes(a))
+    }
+    fn string(&mut self) -> Result<String, DecodeError> {
+        let n = self.u32()? as usize;
+        let b = self.take(n)?;
+        String::from_utf8(b.to_vec()).map_err(|_| DecodeError::BadUtf8)
+    }
+}
+
+/// Reads one framed message. `Ok(None)` is a clean end of stream (EOF exactly
+/// between frames).
+pub fn read_message(input: &mut impl Read, scratch: &mut Vec<u8>) -> io::Result<Option<Message>> {
+    let mut len = [0u8; 4];
+    let mut got = 0;
+    while got < 4 {
+        match input.read(&mut len[got..]) {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "stream ends inside a message")),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let len = u32::from_le_bytes(len);
+    if len > MAX_FRAME_LEN {
+        return Err(DecodeError::FrameTooLarge(len).into());
+    }
+    scratch.clear();
+    scratch.resize(len as usize, 0);
+    input.read_exact(scratch)?;
+    Ok(Some(Message::decode(scratch)?))
+}
+
+/// Writes one framed message.
+pub fn write_message(out: &mut impl Write, msg: &Message) -> io::Result<()> {
+    let mut buf = Vec::new();
+    msg.encode_into(&mut buf);
+    out.write_all(&buf)
+}
+
+/// Writes the header of a raw recording file.
+pub fn write_raw_header(out: &mut impl Write) -> io::Result<()> {
+    out.write_all(RAW_MAGIC)?;
+    out.write_all(&RAW_VERSION.to_le_bytes())
+}
+
+/// Checks the header of a raw recording file, naming the problem if it is not one.
+pub fn read_raw_header(input: &mut impl Read) -> io::Result<()> {
+    let mut head = [0u8; 12];
+    input.read_exact(&mut head).map_err(|_| {
+        io::Error::new(io::ErrorKind::InvalidData, "not a corsnap raw recording (file too short)")
+    })?;
+    if &head[..8] != RAW_MAGIC {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "not a corsnap raw recording (wrong magic bytes); record one with `corsnap record --format raw`",
+        ));
+    }
+    let version = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
+    if version != RAW_VERSION {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("raw recording version {version} is not supported (this corsnap reads version {RAW_VERSION})"),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all_messages() -> Vec<Message> {
+        vec![
+            Message::Hello {
+                protocol: PROTOCOL_VERSION,
+                pid: 42,
+                runtime_version: "8.0.4".into(),
+                info_version: 14,
+                rate_hz: 100,
+                attached: false,
+            },
+            Message::Thread { thread_id: 0x7f00_0000_1000, os_tid: 1234, name: "worker-1".into() },
+            Message::Function { function_id: 7, name: "Shop.Ledger<T>.Settle".into(), module: "app.dll".into() },
+            Message::Sample { time_ns: 99, thread_id: 1, truncated: true, frames: vec![7, 0, 8] },
+            Message::Stats(SamplerStats { ticks: 3, max_tick_ns: 9, ..Default::default() }),
+            Message::Notice { severity: Severity::Warning, text: "héllo".into() },
+            Message::Goodbye { reason: "shutdown".into() },
+            Message::Recording { command: "dotnet app.dll".into(), start_unix_ms: 5 },
+        ]
+    }
+
+    #[test]
+    fn every_message_round_trips() {
+        let mut buf = Vec::new();
+        for m in all_messages() {
+            m.encode_into(&mut buf);
+        }
+        let mut input = &buf[..];
+        let mut scratch = Vec::new();
+        for m in all_messages() {
+            assert_eq!(read_message(&mut input, &mut scratch).unwrap(), Some(m));
+        }
+        assert_eq!(read_message(&mut input, &mut scratch).unwrap(), None);
+    }
+
+    #[test]
+    fn encode_sample_matches_message_encoding() {
+        let mut a = Vec::new();
+        encode_sample(&mut a, 1, 2, false, &[3, 4]);
+        let mut b = Vec::new();
+        Message::Sample { time_ns: 1, thread_id: 2, truncated: false, frames: vec![3, 4] }.encode_into(&mut b);
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn hostile_input_is_refused_not_trusted() {
+        // A sample that claims four billion frames.
+        let mut body = vec![tag::SAMPLE];
+        body.extend_from_slice(&[0; 17]);
+        body.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(Message::decode(&body), Err(DecodeError::Truncated));
+        assert_eq!(Message::decode(&[200]), Err(DecodeError::UnknownTag(200)));
+        assert_eq!(Message::decode(&[]), Err(DecodeError::Truncated));
+        let huge = (MAX_FRAME_LEN + 1).to_le_bytes();
+        let err = read_message(&mut &huge[..], &mut Vec::new()).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        let mut partial = &[1u8, 0][..];
+        assert!(read_message(&mut partial, &mut Vec::new()).is_err());
+    }
+
+    #[test]
+    fn raw_header_is_checked() {
+        let mut buf = Vec::new();
+        write_raw_header(&mut buf).unwrap();
+        read_raw_header(&mut &buf[..]).unwrap();
+        let err = read_raw_header(&mut &b"PK\x03\x04 not ours"[..]).unwrap_err();
+        assert!(err.to_string().contains("not a corsnap raw recording"));
+    }
+}
