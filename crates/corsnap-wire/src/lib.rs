@@ -259,14 +259,8 @@ impl Message {
                 rate_hz: r.u32()?,
                 attached: r.bool()?,
             },
-            tag::THREAD => {
-                Message::Thread { thread_id: r.u64()?, os_tid: r.u32()?, name: r.string()? }
-            }
-            tag::FUNCTION => Message::Function {
-                function_id: r.u64()?,
-                name: r.string()?,
-                module: r.string()?,
-            },
+            tag::THREAD => Message::Thread { thread_id: r.u64()?, os_tid: r.u32()?, name: r.string()? },
+            tag::FUNCTION => Message::Function { function_id: r.u64()?, name: r.string()?, module: r.string()? },
             tag::SAMPLE => {
                 let time_ns = r.u64()?;
                 let thread_id = r.u64()?;
@@ -448,9 +442,9 @@ pub fn write_raw_header(out: &mut impl Write) -> io::Result<()> {
 /// Checks the header of a raw recording file, naming the problem if it is not one.
 pub fn read_raw_header(input: &mut impl Read) -> io::Result<()> {
     let mut head = [0u8; 12];
-    input.read_exact(&mut head).map_err(|_| {
-        io::Error::new(io::ErrorKind::InvalidData, "not a corsnap raw recording (file too short)")
-    })?;
+    input
+        .read_exact(&mut head)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "not a corsnap raw recording (file too short)"))?;
     if &head[..8] != RAW_MAGIC {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,

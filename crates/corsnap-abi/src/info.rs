@@ -1,0 +1,489 @@
+//! `ICorProfilerInfo*`: the runtime's side, called by corsnap.
+//!
+//! The runtime implements every version on one object, so the pointer we get
+//! from `QueryInterface` for the highest version answers every slot up to that
+//! version. [`CorProfilerInfo`] remembers which version it holds and refuses
+//! calls to slots beyond it.
+
+use std::ffi::c_void;
+use std::ptr::NonNull;
+
+use crate::{check, hr, iid, ClassID, FunctionID, Guid, HResult, HResultError, MdToken, ModuleID, ThreadID, HRESULT};
+
+/// Slot numbers from `corprof.idl` (IUnknown is 0..2).
+mod slot {
+    pub const QUERY_INTERFACE: usize = 0;
+    pub const GET_CLASS_ID_INFO: usize = 14;
+    pub const GET_THREAD_INFO: usize = 12;
+    pub const SET_EVENT_MASK: usize = 16;
+    pub const GET_MODULE_INFO: usize = 20;
+    pub const GET_MODULE_METADATA: usize = 21;
+    pub const FORCE_GC: usize = 28;
+    pub const DO_STACK_SNAPSHOT: usize = 36;
+    pub const GET_FUNCTION_INFO2: usize = 38;
+    pub const ENUM_JITED_FUNCTIONS: usize = 57;
+    pub const REQUEST_PROFILER_DETACH: usize = 58;
+    pub const ENUM_MODULES: usize = 66;
+    pub const GET_RUNTIME_INFORMATION: usize = 67;
+    pub const ENUM_THREADS: usize = 71;
+    pub const SET_EVENT_MASK2: usize = 82;
+    pub const SUSPEND_RUNTIME: usize = 97;
+    pub const RESUME_RUNTIME: usize = 98;
+}
+
+/// Vtable length of `ICorProfilerInfo` version N is `INFO_VTABLE_LEN[N - 1]`
+/// (IUnknown's 3 plus each version's own methods: 33, 21, 14, 10, 2, 1, 3, 3,
+/// 3, 6, 2, 7, 3, 3).
+pub const INFO_VTABLE_LEN: [usize; 14] = [36, 57, 71, 81, 83, 84, 87, 90, 93, 99, 101, 108, 111, 114];
+
+const _: () = {
+    // The slots corsnap calls sit where corprof.idl puts them.
+    assert!(slot::DO_STACK_SNAPSHOT == INFO_VTABLE_LEN[0]); // first method of Info2
+    assert!(slot::ENUM_JITED_FUNCTIONS == INFO_VTABLE_LEN[1]); // first of Info3
+    assert!(slot::ENUM_THREADS == INFO_VTABLE_LEN[2]); // first of Info4
+    assert!(slot::SET_EVENT_MASK2 == INFO_VTABLE_LEN[3] + 1); // second of Info5
+    assert!(slot::SUSPEND_RUNTIME == INFO_VTABLE_LEN[9] - 2); // last two of Info10
+    assert!(slot::RESUME_RUNTIME == INFO_VTABLE_LEN[9] - 1);
+};
+
+/// What `GetRuntimeInformation` says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuntimeInfo {
+    pub runtime_type: u32,
+    pub major: u16,
+    pub minor: u16,
+    pub build: u16,
+    pub qfe: u16,
+    pub version_string: String,
+}
+
+/// The snapshot callback's view of one frame: the `FunctionID`, or 0 for a
+/// run of unmanaged frames. Return `false` to stop the walk.
+pub type SnapshotVisit<'a> = dyn FnMut(FunctionID) -> bool + 'a;
+
+/// A handle to the runtime's `ICorProfilerInfo` object.
+#[derive(Debug, Clone, Copy)]
+pub struct CorProfilerInfo {
+    this: NonNull<c_void>,
+    version: u32,
+}
+
+// SAFETY: the runtime's ICorProfilerInfo object is free-threaded: the profiling
+// API documents every method as callable from any thread (subject to the
+// per-method rules corsnap's agent follows), and the object lives as long as
+// the profiler is loaded.
+unsafe impl Send for CorProfilerInfo {}
+// SAFETY: as above; the handle itself is an immutable pointer and a number.
+unsafe impl Sync for CorProfilerInfo {}
+
+type QueryInterfaceFn = unsafe extern "C" fn(*mut c_void, *const Guid, *mut *mut c_void) -> HRESULT;
+
+/// Calls `QueryInterface` on any COM pointer.
+///
+/// # Safety
+/// `this` must be a live COM object.
+pub(crate) unsafe fn query_interface(this: NonNull<c_void>, iid: &Guid) -> HResult<NonNull<c_void>> {
+    // SAFETY: a COM object starts with its vtable pointer, slot 0 is QI.
+    unsafe {
+        let vtbl = *(this.as_ptr() as *const *const *const c_void);
+        let qi: QueryInterfaceFn = std::mem::transmute(*vtbl.add(slot::QUERY_INTERFACE));
+        let mut out = std::ptr::null_mut();
+        check(qi(this.as_ptr(), iid, &mut out))?;
+        NonNull::new(out).ok_or(HResultError(hr::E_POINTER))
+    }
+}
+
+/// Calls `Release` on any COM pointer.
+///
+/// # Safety
+/// `this` must be a live COM object whose reference we own.
+pub(crate) unsafe fn release(this: NonNull<c_void>) {
+    // SAFETY: slot 2 of every COM vtable is Release.
+    unsafe {
+        let vtbl = *(this.as_ptr() as *const *const *const c_void);
+        let release: unsafe extern "C" fn(*mut c_void) -> u32 = std::mem::transmute(*vtbl.add(2));
+        release(this.as_ptr());
+    }
+}
+
+/// Reads vtable slot `index` of a COM pointer as a function of type `F`.
+///
+/// # Safety
+/// `F` must be the slot's true signature and `index` inside the vtable.
+unsafe fn vtable_fn<F: Copy>(this: NonNull<c_void>, index: usize) -> F {
+    // SAFETY: per the caller's contract.
+    unsafe {
+        let vtbl = *(this.as_ptr() as *const *const *const c_void);
+        let f = *vtbl.add(index);
+        std::mem::transmute_copy::<*const c_void, F>(&f)
+    }
+}
+
+/// `ICorProfiler*Enum` share one shape: Skip, Reset, Clone, GetCount, Next.
+fn drain_enum(enumerator: NonNull<c_void>) -> HResult<Vec<usize>> {
+    type GetCount = unsafe extern "C" fn(*mut c_void, *mut u32) -> HRESULT;
+    type Next = unsafe extern "C" fn(*mut c_void, u32, *mut usize, *mut u32) -> HRESULT;
+    let mut ids = Vec::new();
+    // SAFETY: `enumerator` is a live enumerator we own; slots 6 and 7 are
+    // GetCount and Next in every ICorProfiler*Enum.
+    let result = unsafe {
+        let get_count: GetCount = vtable_fn(enumerator, 6);
+        let next: Next = vtable_fn(enumerator, 7);
+        let mut count = 0u32;
+        match check(get_count(enumerator.as_ptr(), &mut count)) {
+            Err(e) => Err(e),
+            Ok(()) => {
+                ids.resize(count as usize, 0);
+                let mut fetched = 0u32;
+                let hr = next(enumerator.as_ptr(), count, ids.as_mut_ptr(), &mut fetched);
+                ids.truncate(fetched as usize);
+                check(hr)
+            }
+        }
+    };
+    // SAFETY: we own the enumerator's reference.
+    unsafe { release(enumerator) };
+    result.map(|()| ids)
+}
+
+impl CorProfilerInfo {
+    /// Queries the runtime's `IUnknown` for the highest `ICorProfilerInfo` it has.
+    ///
+    /// # Safety
+    /// `unknown` must be the pointer the runtime passed to `Initialize` or
+    /// `InitializeForAttach`.
+    pub(crate) unsafe fn from_unknown(unknown: *mut c_void) -> HResult<CorProfilerInfo> {
+        let unknown = NonNull::new(unknown).ok_or(HResultError(hr::E_POINTER))?;
+        for version in (1..=iid::ICORPROFILERINFO.len()).rev() {
+            // SAFETY: `unknown` is live per the caller's contract.
+            if let Ok(this) = unsafe { query_interface(unknown, &iid::ICORPROFILERINFO[version - 1]) } {
+                // The reference QI added is kept for the profiler's lifetime:
+                // the runtime releases the Info object itself on unload.
+                return Ok(CorProfilerInfo { this, version: version as u32 });
+            }
+        }
+        Err(HResultError(hr::E_NOINTERFACE))
+    }
+
+    /// The highest `ICorProfilerInfo` version the runtime gave us.
+    pub fn version(&self) -> u32 {
+        self.version
+    }
+
+    fn require(&self, slot: usize) -> HResult<()> {
+        if slot < INFO_VTABLE_LEN[self.version as usize - 1] {
+            Ok(())
+        } else {
+            Err(HResultError(hr::E_NOTIMPL))
+        }
+    }
+
+    /// Reads a slot after checking the runtime has it.
+    ///
+    /// # Safety
+    /// `F` must be the slot's signature from corprof.idl.
+    unsafe fn method<F: Copy>(&self, slot: usize) -> HResult<F> {
+        self.require(slot)?;
+        // SAFETY: slot is inside this version's vtable; F per caller.
+        Ok(unsafe { vtable_fn(self.this, slot) })
+    }
+
+    fn raw(&self) -> *mut c_void {
+        self.this.as_ptr()
+    }
+
+    pub fn set_event_mask(&self, mask: u32) -> HResult<()> {
+        // SAFETY: SetEventMask(DWORD).
+        unsafe {
+            let f: unsafe extern "C" fn(*mut c_void, u32) -> HRESULT = self.method(slot::SET_EVENT_MASK)?;
+            check(f(self.raw(), mask))
+        }
+    }
+
+    pub fn set_event_mask2(&self, low: u32, high: u32) -> HResult<()> {
+        // SAFETY: SetEventMask2(DWORD, DWORD).
+        unsafe {
+            let f: unsafe extern "C" fn(*mut c_void, u32, u32) -> HRESULT = self.method(slot::SET_EVENT_MASK2)?;
+            check(f(self.raw(), low, high))
+        }
+    }
+
+    /// The OS thread id (`gettid`) a managed thread runs on.
+    pub fn get_thread_info(&self, thread: ThreadID) -> HResult<u32> {
+        let mut os_tid = 0u32;
+        // SAFETY: GetThreadInfo(ThreadID, DWORD*).
+        unsafe {
+            let f: unsafe extern "C" fn(*mut c_void, ThreadID, *mut u32) -> HRESULT =
+                self.method(slot::GET_THREAD_INFO)?;
+            check(f(self.raw(), thread, &mut os_tid))?;
+        }
+        Ok(os_tid)
+    }
+
+    /// `(module, typedef token)` of a class.
+    pub fn get_class_id_info(&self, class: ClassID) -> HResult<(ModuleID, MdToken)> {
+        let (mut module, mut token) = (0usize, 0u32);
+        // SAFETY: GetClassIDInfo(ClassID, ModuleID*, mdTypeDef*).
+        unsafe {
+            let f: unsafe extern "C" fn(*mut c_void, ClassID, *mut ModuleID, *mut MdToken) -> HRESULT =
+                self.method(slot::GET_CLASS_ID_INFO)?;
+            check(f(self.raw(), class, &mut module, &mut token))?;
+        }
+        Ok((module, token))
+    }
+
+    /// `(class, module, method token)` of a function, with no frame info (so
+    /// it is valid outside a snapshot callback).
+    pub fn get_function_info2(&self, function: FunctionID) -> HResult<(ClassID, ModuleID, MdToken)> {
+        let (mut class, mut module, mut token) = (0usize, 0usize, 0u32);
+        let mut type_args = 0u32;
+        // SAFETY: GetFunctionInfo2(FunctionID, COR_PRF_FRAME_INFO, ClassID*,
+        // ModuleID*, mdToken*, ULONG32, ULONG32*, ClassID[]); zero type args
+        // requested, so the array may be null.
+        unsafe {
+            type F = unsafe extern "C" fn(
+                *mut c_void,
+                FunctionID,
+                usize,
+                *mut ClassID,
+                *mut ModuleID,
+                *mut MdToken,
+                u32,
+                *mut u32,
+                *mut ClassID,
+            ) -> HRESULT;
+            let f: F = self.method(slot::GET_FUNCTION_INFO2)?;
+            check(f(
+                self.raw(),
+                function,
+                0,
+                &mut class,
+                &mut module,
+                &mut token,
+                0,
+                &mut type_args,
+                std::ptr::null_mut(),
+            ))?;
+        }
+        Ok((class, module, token))
+    }
+
+    /// The file path a module was loaded from.
+    pub fn get_module_path(&self, module: ModuleID) -> HResult<String> {
+        type F =
+            unsafe extern "C" fn(*mut c_void, ModuleID, *mut *const u8, u32, *mut u32, *mut u16, *mut usize) -> HRESULT;
+        let mut buf = vec![0u16; 512];
+        loop {
+            let (mut base, mut len, mut assembly) = (std::ptr::null(), 0u32, 0usize);
+            // SAFETY: GetModuleInfo with a buffer of `buf.len()` UTF-16 units.
+            let hr = unsafe {
+                let f: F = self.method(slot::GET_MODULE_INFO)?;
+                f(self.raw(), module, &mut base, buf.len() as u32, &mut len, buf.as_mut_ptr(), &mut assembly)
+            };
+            if hr == hr::ERROR_INSUFFICIENT_BUFFER && (len as usize) > buf.len() && len < 65536 {
+                buf.resize(len as usize, 0);
+                continue;
+            }
+            check(hr)?;
+            return Ok(crate::metadata::utf16_until_nul(&buf[..(len as usize).min(buf.len())]));
+        }
+    }
+
+    /// Opens a module's metadata for reading (`IMetaDataImport2`, falling
+    /// back to `IMetaDataImport`).
+    pub fn get_module_metadata(&self, module: ModuleID) -> HResult<crate::MetaDataImport> {
+        type F = unsafe extern "C" fn(*mut c_void, ModuleID, u32, *const Guid, *mut *mut c_void) -> HRESULT;
+        const OF_READ: u32 = 0;
+        for (iid, has_generics) in [(&iid::IMETADATAIMPORT2, true), (&iid::IMETADATAIMPORT, false)] {
+            let mut out = std::ptr::null_mut();
+            // SAFETY: GetModuleMetaData(ModuleID, DWORD, REFIID, IUnknown**).
+            let hr = unsafe {
+                let f: F = self.method(slot::GET_MODULE_METADATA)?;
+                f(self.raw(), module, OF_READ, iid, &mut out)
+            };
+            if hr == hr::S_OK {
+                if let Some(ptr) = NonNull::new(out) {
+                    // SAFETY: a fresh reference to the interface we asked for.
+                    return Ok(unsafe { crate::MetaDataImport::from_raw(ptr, has_generics) });
+                }
+            }
+            if hr < 0 && hr != hr::E_NOINTERFACE {
+                return Err(HResultError(hr));
+            }
+        }
+        Err(HResultError(hr::E_NOINTERFACE))
+    }
+
+    /// Walks a thread's managed stack, calling `visit` per frame, leaf first.
+    ///
+    /// `thread == 0` walks the calling thread (a synchronous walk). On Linux
+    /// another thread can be walked only while the runtime is suspended with
+    /// [`suspend_runtime`](Self::suspend_runtime); otherwise the runtime
+    /// answers `E_NOTIMPL`. `visit` runs inside the runtime's walk: it must not
+    /// block, take a lock a suspended thread could hold, or allocate.
+    pub fn do_stack_snapshot(&self, thread: ThreadID, visit: &mut SnapshotVisit<'_>) -> HRESULT {
+        type Callback = unsafe extern "C" fn(FunctionID, usize, usize, u32, *mut u8, *mut c_void) -> HRESULT;
+        type F = unsafe extern "C" fn(*mut c_void, ThreadID, Callback, u32, *mut c_void, *mut u8, u32) -> HRESULT;
+
+        unsafe extern "C" fn trampoline(
+            function: FunctionID,
+            _ip: usize,
+            _frame_info: usize,
+            _context_size: u32,
+            _context: *mut u8,
+            client_data: *mut c_void,
+        ) -> HRESULT {
+            // SAFETY: `client_data` is the `&mut &mut SnapshotVisit` passed
+            // below, alive for the whole DoStackSnapshot call.
+            let visit = unsafe { &mut *(client_data as *mut &mut SnapshotVisit<'_>) };
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| visit(function))) {
+                Ok(true) => hr::S_OK,
+                Ok(false) | Err(_) => hr::S_FALSE,
+            }
+        }
+
+        let mut visit_ref: &mut SnapshotVisit<'_> = visit;
+        // SAFETY: DoStackSnapshot(ThreadID, StackSnapshotCallback*, ULONG32,
+        // void*, BYTE[], ULONG32); no seed context.
+        unsafe {
+            let f: F = match self.method(slot::DO_STACK_SNAPSHOT) {
+                Ok(f) => f,
+                Err(e) => return e.0,
+            };
+            f(
+                self.raw(),
+                thread,
+                trampoline,
+                crate::snapshot::DEFAULT,
+                &mut visit_ref as *mut &mut SnapshotVisit<'_> as *mut c_void,
+                std::ptr::null_mut(),
+                0,
+            )
+        }
+    }
+
+    fn call_no_args(&self, slot: usize) -> HResult<()> {
+        // SAFETY: the slots passed here take no arguments besides `this`.
+        unsafe {
+            let f: unsafe extern "C" fn(*mut c_void) -> HRESULT = self.method(slot)?;
+            check(f(self.raw()))
+        }
+    }
+
+    /// Stops every managed thread at a safe point (Info10). Call only from a
+    /// thread that never ran managed code, never while already suspended, and
+    /// resume from the same thread.
+    pub fn suspend_runtime(&self) -> HResult<()> {
+        self.call_no_args(slot::SUSPEND_RUNTIME)
+    }
+
+    pub fn resume_runtime(&self) -> HResult<()> {
+        self.call_no_args(slot::RESUME_RUNTIME)
+    }
+
+    /// Forces a full collection. Call only from a thread that never ran
+    /// managed code and is not inside a callback.
+    pub fn force_gc(&self) -> HResult<()> {
+        self.call_no_args(slot::FORCE_GC)
+    }
+
+    pub fn request_profiler_detach(&self, expected_completion_ms: u32) -> HResult<()> {
+        // SAFETY: RequestProfilerDetach(DWORD).
+        unsafe {
+            let f: unsafe extern "C" fn(*mut c_void, u32) -> HRESULT = self.method(slot::REQUEST_PROFILER_DETACH)?;
+            check(f(self.raw(), expected_completion_ms))
+        }
+    }
+
+    fn enumerate(&self, slot: usize) -> HResult<Vec<usize>> {
+        let mut out = std::ptr::null_mut();
+        // SAFETY: EnumThreads/EnumModules(ICorProfiler*Enum**).
+        unsafe {
+            let f: unsafe extern "C" fn(*mut c_void, *mut *mut c_void) -> HRESULT = self.method(slot)?;
+            check(f(self.raw(), &mut out))?;
+        }
+        drain_enum(NonNull::new(out).ok_or(HResultError(hr::E_POINTER))?)
+    }
+
+    /// Every live managed thread. Safe while the runtime is suspended by us.
+    pub fn enum_threads(&self) -> HResult<Vec<ThreadID>> {
+        self.enumerate(slot::ENUM_THREADS)
+    }
+
+    /// Every loaded module. Never call while the runtime is suspended.
+    pub fn enum_modules(&self) -> HResult<Vec<ModuleID>> {
+        self.enumerate(slot::ENUM_MODULES)
+    }
+
+    /// Every JIT-compiled function (not ReadyToRun code).
+    pub fn enum_jited_functions(&self) -> HResult<Vec<FunctionID>> {
+        // COR_PRF_FUNCTION is {FunctionID, ReJITID}: two words per entry.
+        type Next = unsafe extern "C" fn(*mut c_void, u32, *mut [usize; 2], *mut u32) -> HRESULT;
+        type GetCount = unsafe extern "C" fn(*mut c_void, *mut u32) -> HRESULT;
+        let mut out = std::ptr::null_mut();
+        // SAFETY: EnumJITedFunctions(ICorProfilerFunctionEnum**), then
+        // GetCount (slot 6) and Next (slot 7) of the enumerator.
+        unsafe {
+            let f: unsafe extern "C" fn(*mut c_void, *mut *mut c_void) -> HRESULT =
+                self.method(slot::ENUM_JITED_FUNCTIONS)?;
+            check(f(self.raw(), &mut out))?;
+            let e = NonNull::new(out).ok_or(HResultError(hr::E_POINTER))?;
+            let get_count: GetCount = vtable_fn(e, 6);
+            let next: Next = vtable_fn(e, 7);
+            let mut count = 0u32;
+            let mut entries = Vec::new();
+            let mut result = check(get_count(e.as_ptr(), &mut count));
+            if result.is_ok() {
+                entries.resize(count as usize, [0usize; 2]);
+                let mut fetched = 0u32;
+                result = check(next(e.as_ptr(), count, entries.as_mut_ptr(), &mut fetched));
+                entries.truncate(fetched as usize);
+            }
+            release(e);
+            result.map(|()| entries.into_iter().map(|[f, _]| f).collect())
+        }
+    }
+
+    pub fn get_runtime_information(&self) -> HResult<RuntimeInfo> {
+        type F = unsafe extern "C" fn(
+            *mut c_void,
+            *mut u16,
+            *mut u32,
+            *mut u16,
+            *mut u16,
+            *mut u16,
+            *mut u16,
+            u32,
+            *mut u32,
+            *mut u16,
+        ) -> HRESULT;
+        let (mut instance, mut runtime_type) = (0u16, 0u32);
+        let (mut major, mut minor, mut build, mut qfe) = (0u16, 0u16, 0u16, 0u16);
+        let mut buf = [0u16; 64];
+        let mut len = 0u32;
+        // SAFETY: GetRuntimeInformation with a 64-unit buffer.
+        unsafe {
+            let f: F = self.method(slot::GET_RUNTIME_INFORMATION)?;
+            check(f(
+                self.raw(),
+                &mut instance,
+                &mut runtime_type,
+                &mut major,
+                &mut minor,
+                &mut build,
+                &mut qfe,
+                buf.len() as u32,
+                &mut len,
+                buf.as_mut_ptr(),
+            ))?;
+        }
+        Ok(RuntimeInfo {
+            runtime_type,
+            major,
+            minor,
+            build,
+            qfe,
+            version_string: crate::metadata::utf16_until_nul(&buf[..(len as usize).min(buf.len())]),
+        })
+    }
+}

@@ -1,0 +1,221 @@
+//! `IMetaDataImport` / `IMetaDataImport2`: reading type and method names
+//! from a module's metadata.
+
+use std::ffi::c_void;
+use std::ptr::NonNull;
+
+use crate::{check, hr, HResult, MdToken, HRESULT};
+
+/// Slot numbers from `cor.h` (IUnknown is 0..2; IMetaDataImport has 62
+/// methods, IMetaDataImport2 follows at 65).
+mod slot {
+    pub const CLOSE_ENUM: usize = 3;
+    pub const GET_TYPE_DEF_PROPS: usize = 12;
+    pub const GET_METHOD_PROPS: usize = 30;
+    pub const GET_NESTED_CLASS_PROPS: usize = 62;
+    pub const ENUM_GENERIC_PARAMS: usize = 65;
+    pub const GET_GENERIC_PARAM_PROPS: usize = 66;
+}
+
+const _: () = assert!(slot::ENUM_GENERIC_PARAMS == 3 + 62);
+
+/// `tdVisibilityMask`; values at or above `tdNestedPublic` mean nested.
+const TD_VISIBILITY_MASK: u32 = 0x7;
+const TD_NESTED_PUBLIC: u32 = 0x2;
+
+/// Longest name we ask the runtime for, in UTF-16 units.
+const NAME_CAPACITY: usize = 1024;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MethodProps {
+    pub name: String,
+    pub class_token: MdToken,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TypeDefProps {
+    /// Namespace-qualified for top-level types, bare for nested ones, with the
+    /// CLR's arity suffix (`Ledger`1`).
+    pub name: String,
+    pub flags: u32,
+}
+
+impl TypeDefProps {
+    pub fn is_nested(&self) -> bool {
+        self.flags & TD_VISIBILITY_MASK >= TD_NESTED_PUBLIC
+    }
+}
+
+/// An open metadata scope. Releases its reference when dropped.
+#[derive(Debug)]
+pub struct MetaDataImport {
+    this: NonNull<c_void>,
+    has_generics: bool,
+}
+
+// SAFETY: the runtime's public metadata importer is safe to call from any
+// thread; corsnap also only uses each handle from one thread at a time.
+unsafe impl Send for MetaDataImport {}
+
+impl Drop for MetaDataImport {
+    fn drop(&mut self) {
+        // SAFETY: we own one reference.
+        unsafe { crate::info::release(self.this) }
+    }
+}
+
+pub(crate) fn utf16_until_nul(units: &[u16]) -> String {
+    let end = units.iter().position(|&c| c == 0).unwrap_or(units.len());
+    String::from_utf16_lossy(&units[..end])
+}
+
+impl MetaDataImport {
+    /// # Safety
+    /// `this` must be an owned reference to `IMetaDataImport2` when
+    /// `has_generics`, else to `IMetaDataImport`.
+    pub(crate) unsafe fn from_raw(this: NonNull<c_void>, has_generics: bool) -> Self {
+        MetaDataImport { this, has_generics }
+    }
+
+    /// # Safety
+    /// `F` must be the slot's true signature.
+    unsafe fn method<F: Copy>(&self, slot: usize) -> F {
+        // SAFETY: per the caller; slots used are inside the vtable we hold
+        // (generic-parameter slots are only read when `has_generics`).
+        unsafe {
+            let vtbl = *(self.this.as_ptr() as *const *const *const c_void);
+            std::mem::transmute_copy::<*const c_void, F>(&*vtbl.add(slot))
+        }
+    }
+
+    pub fn get_method_props(&self, method: MdToken) -> HResult<MethodProps> {
+        type F = unsafe extern "C" fn(
+            *mut c_void,
+            MdToken,
+            *mut MdToken,
+            *mut u16,
+            u32,
+            *mut u32,
+            *mut u32,
+            *mut *const u8,
+            *mut u32,
+            *mut u32,
+            *mut u32,
+        ) -> HRESULT;
+        let mut class_token = 0;
+        let mut buf = [0u16; NAME_CAPACITY];
+        let mut len = 0u32;
+        // SAFETY: GetMethodProps; optional outs passed as null.
+        unsafe {
+            let f: F = self.method(slot::GET_METHOD_PROPS);
+            check(f(
+                self.this.as_ptr(),
+                method,
+                &mut class_token,
+                buf.as_mut_ptr(),
+                buf.len() as u32,
+                &mut len,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            ))?;
+        }
+        Ok(MethodProps { name: utf16_until_nul(&buf[..(len as usize).min(buf.len())]), class_token })
+    }
+
+    pub fn get_type_def_props(&self, type_def: MdToken) -> HResult<TypeDefProps> {
+        type F = unsafe extern "C" fn(*mut c_void, MdToken, *mut u16, u32, *mut u32, *mut u32, *mut MdToken) -> HRESULT;
+        let mut buf = [0u16; NAME_CAPACITY];
+        let (mut len, mut flags, mut extends) = (0u32, 0u32, 0u32);
+        // SAFETY: GetTypeDefProps.
+        unsafe {
+            let f: F = self.method(slot::GET_TYPE_DEF_PROPS);
+            check(f(
+                self.this.as_ptr(),
+                type_def,
+                buf.as_mut_ptr(),
+                buf.len() as u32,
+                &mut len,
+                &mut flags,
+                &mut extends,
+            ))?;
+        }
+        Ok(TypeDefProps { name: utf16_until_nul(&buf[..(len as usize).min(buf.len())]), flags })
+    }
+
+    /// The type a nested type is declared in.
+    pub fn get_enclosing_class(&self, nested: MdToken) -> HResult<MdToken> {
+        type F = unsafe extern "C" fn(*mut c_void, MdToken, *mut MdToken) -> HRESULT;
+        let mut enclosing = 0;
+        // SAFETY: GetNestedClassProps.
+        unsafe {
+            let f: F = self.method(slot::GET_NESTED_CLASS_PROPS);
+            check(f(self.this.as_ptr(), nested, &mut enclosing))?;
+        }
+        Ok(enclosing)
+    }
+
+    /// Names of the generic parameters a type or method declares, in order.
+    /// Empty when the module's importer predates generics.
+    pub fn generic_param_names(&self, owner: MdToken) -> HResult<Vec<String>> {
+        if !self.has_generics {
+            return Ok(Vec::new());
+        }
+        type Enum =
+            unsafe extern "C" fn(*mut c_void, *mut *mut c_void, MdToken, *mut MdToken, u32, *mut u32) -> HRESULT;
+        type Props = unsafe extern "C" fn(
+            *mut c_void,
+            MdToken,
+            *mut u32,
+            *mut u32,
+            *mut MdToken,
+            *mut u32,
+            *mut u16,
+            u32,
+            *mut u32,
+        ) -> HRESULT;
+        type Close = unsafe extern "C" fn(*mut c_void, *mut c_void);
+        let mut params = [0u32; 64];
+        let mut count = 0u32;
+        let mut henum: *mut c_void = std::ptr::null_mut();
+        // SAFETY: EnumGenericParams then CloseEnum on the same HCORENUM.
+        let hr = unsafe {
+            let enumerate: Enum = self.method(slot::ENUM_GENERIC_PARAMS);
+            let hr =
+                enumerate(self.this.as_ptr(), &mut henum, owner, params.as_mut_ptr(), params.len() as u32, &mut count);
+            if !henum.is_null() {
+                let close: Close = self.method(slot::CLOSE_ENUM);
+                close(self.this.as_ptr(), henum);
+            }
+            hr
+        };
+        check(hr)?;
+        let mut names = Vec::with_capacity(count as usize);
+        for &param in &params[..(count as usize).min(params.len())] {
+            let mut buf = [0u16; 256];
+            let (mut seq, mut flags, mut owner_out, mut reserved, mut len) = (0u32, 0u32, 0u32, 0u32, 0u32);
+            // SAFETY: GetGenericParamProps.
+            unsafe {
+                let props: Props = self.method(slot::GET_GENERIC_PARAM_PROPS);
+                check(props(
+                    self.this.as_ptr(),
+                    param,
+                    &mut seq,
+                    &mut flags,
+                    &mut owner_out,
+                    &mut reserved,
+                    buf.as_mut_ptr(),
+                    buf.len() as u32,
+                    &mut len,
+                ))?;
+            }
+            names.push(utf16_until_nul(&buf[..(len as usize).min(buf.len())]));
+        }
+        if hr == hr::S_FALSE && names.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(names)
+    }
+}

@@ -1,0 +1,96 @@
+//! Interactive SVG flame graph, drawn by inferno from the collapsed stacks.
+
+use std::io::{self, BufWriter, Write};
+
+use inferno::flamegraph::{self, Options};
+
+use super::{collapsed_stacks, ProfileWriter, WriteOptions};
+use crate::Profile;
+
+/// What the placeholder SVG says when there is nothing to draw.
+const NO_SAMPLES_MESSAGE: &str = "no samples were recorded";
+/// Matches inferno's default width so an empty graph looks like its siblings.
+const IMAGE_WIDTH: usize = 1200;
+
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct FlamegraphWriter;
+
+impl ProfileWriter for FlamegraphWriter {
+    fn write(&self, profile: &Profile, options: &WriteOptions, out: &mut dyn Write) -> io::Result<()> {
+        let title = options.title_for(&profile.meta);
+        let stacks = collapsed_stacks(profile, options);
+        let mut out = BufWriter::new(out);
+        // inferno refuses input with no counts (and leaves an error SVG behind),
+        // yet a run that caught nothing should still open in a browser.
+        if stacks.values().all(|&weight| weight == 0) {
+            write_no_samples_svg(&title, &mut out)?;
+            return out.flush();
+        }
+
+        let lines: Vec<String> = stacks.iter().map(|(stack, weight)| format!("{stack} {weight}")).collect();
+        let mut inferno_options = Options::default();
+        inferno_options.title = title;
+        inferno_options.count_name = "samples".to_string();
+        inferno_options.image_width = Some(IMAGE_WIDTH);
+        // inferno's default colours come from a random generator whose state
+        // carries over between graphs; hashing names instead gives the same
+        // picture for the same profile every time.
+        inferno_options.deterministic = true;
+        flamegraph::from_lines(&mut inferno_options, lines.iter().map(String::as_str), &mut out)?;
+        out.flush()
+    }
+}
+
+fn write_no_samples_svg(title: &str, out: &mut dyn Write) -> io::Result<()> {
+    let title = escape_xml(title);
+    let width = IMAGE_WIDTH;
+    writeln!(out, r#"<?xml version="1.0" standalone="no"?>"#)?;
+    writeln!(
+        out,
+        r#"<svg version="1.1" width="{width}" height="90" viewBox="0 0 {width} 90" xmlns="http://www.w3.org/2000/svg">"#
+    )?;
+    writeln!(out, r##"<rect x="0" y="0" width="100%" height="100%" fill="#eeeeee"/>"##)?;
+    writeln!(out, r#"<text x="50%" y="30" text-anchor="middle" font-family="Verdana" font-size="17">{title}</text>"#)?;
+    writeln!(
+        out,
+        r#"<text x="50%" y="65" text-anchor="middle" font-family="Verdana" font-size="14">{NO_SAMPLES_MESSAGE}</text>"#
+    )?;
+    writeln!(out, "</svg>")
+}
+
+fn escape_xml(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => escaped.push_str("&amp;"),
+            '<' => escaped.push_str("&lt;"),
+            '>' => escaped.push_str("&gt;"),
+            '"' => escaped.push_str("&quot;"),
+            '\'' => escaped.push_str("&apos;"),
+            other => escaped.push(other),
+        }
+    }
+    escaped
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Meta;
+
+    fn render(profile: &Profile, options: &WriteOptions) -> String {
+        let mut svg = Vec::new();
+        FlamegraphWriter.write(profile, options, &mut svg).unwrap();
+        String::from_utf8(svg).unwrap()
+    }
+
+    #[test]
+    fn empty_profile_still_gives_an_svg() {
+        let profile = Profile::new(Meta { command: "dotnet <app>.dll".to_string(), ..Meta::default() });
+        let svg = render(&profile, &WriteOptions::default());
+        assert!(svg.contains("<svg"), "{svg}");
+        assert!(svg.trim_end().ends_with("</svg>"), "{svg}");
+        assert!(svg.contains(NO_SAMPLES_MESSAGE), "{svg}");
+        assert!(svg.contains("corsnap: dotnet &lt;app&gt;.dll"), "title must be escaped: {svg}");
+    }
+}
