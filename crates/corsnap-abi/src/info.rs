@@ -410,6 +410,39 @@ impl CorProfilerInfo {
         self.enumerate(slot::ENUM_THREADS)
     }
 
+    /// Like [`enum_threads`](Self::enum_threads), but into `out`, which is
+    /// never grown past its capacity: the sampler calls this with the runtime
+    /// suspended, where it must not allocate. Threads beyond the capacity are
+    /// left out.
+    pub fn enum_threads_into(&self, out: &mut Vec<ThreadID>) -> HResult<()> {
+        type GetCount = unsafe extern "C" fn(*mut c_void, *mut u32) -> HRESULT;
+        type Next = unsafe extern "C" fn(*mut c_void, u32, *mut usize, *mut u32) -> HRESULT;
+        out.clear();
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: EnumThreads(ICorProfilerThreadEnum**), then GetCount (slot
+        // 6) and Next (slot 7); `Next` writes at most `room` ids into
+        // `out`'s spare capacity, and only `fetched` of them are kept.
+        unsafe {
+            let f: unsafe extern "C" fn(*mut c_void, *mut *mut c_void) -> HRESULT = self.method(slot::ENUM_THREADS)?;
+            check(f(self.raw(), &mut raw))?;
+            let e = NonNull::new(raw).ok_or(HResultError(hr::E_POINTER))?;
+            let get_count: GetCount = vtable_fn(e, 6);
+            let next: Next = vtable_fn(e, 7);
+            let mut count = 0u32;
+            let mut result = check(get_count(e.as_ptr(), &mut count));
+            if result.is_ok() {
+                let room = (count as usize).min(out.capacity()) as u32;
+                let mut fetched = 0u32;
+                result = check(next(e.as_ptr(), room, out.as_mut_ptr(), &mut fetched));
+                if result.is_ok() {
+                    out.set_len((fetched.min(room)) as usize);
+                }
+            }
+            release(e);
+            result
+        }
+    }
+
     /// Every loaded module. Never call while the runtime is suspended.
     pub fn enum_modules(&self) -> HResult<Vec<ModuleID>> {
         self.enumerate(slot::ENUM_MODULES)

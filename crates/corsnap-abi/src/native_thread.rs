@@ -89,6 +89,52 @@ impl Drop for NativeThread {
     }
 }
 
+/// Writes all of `buf` to a socket with `MSG_NOSIGNAL`, so a peer that went
+/// away yields `EPIPE` instead of a `SIGPIPE` that would kill the host
+/// process (a library cannot assume its host ignores `SIGPIPE`).
+pub fn send_all(socket: &impl std::os::fd::AsRawFd, mut buf: &[u8]) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        // SAFETY: valid fd and buffer for the call's duration.
+        let n = unsafe { libc::send(socket.as_raw_fd(), buf.as_ptr() as *const c_void, buf.len(), libc::MSG_NOSIGNAL) };
+        if n < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        buf = &buf[n as usize..];
+    }
+    Ok(())
+}
+
+/// The process and user on the other end of a connected Unix socket
+/// (`SO_PEERCRED`): the CLI uses it to accept only its own agent.
+pub fn peer_credentials(socket: &impl std::os::fd::AsRawFd) -> std::io::Result<(u32, u32)> {
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: valid fd, out-buffer of the size passed.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            &mut cred as *mut libc::ucred as *mut c_void,
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok((cred.pid as u32, cred.uid))
+}
+
+/// The effective user id of this process.
+pub fn current_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() }
+}
+
 /// The calling thread's kernel thread id.
 pub fn current_os_tid() -> u32 {
     // SAFETY: gettid has no preconditions.

@@ -1,0 +1,144 @@
+//! Turns a `FunctionID` into `Namespace.Type<T>+Nested.Method<U>`, once per
+//! id, on the sampler thread after the runtime has been resumed.
+//!
+//! The resolver is owned by the sampler thread alone, so its caches need no
+//! lock; and it is never used while the runtime is suspended, so the runtime
+//! calls it makes (metadata reads) cannot wait on a suspended thread.
+
+use std::collections::HashMap;
+
+use corsnap_abi::{CorProfilerInfo, FunctionID, HResult, MdToken, MetaDataImport, ModuleID};
+
+/// A resolved function.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FunctionName {
+    pub name: String,
+    /// The module's file name (`app.dll`).
+    pub module: String,
+}
+
+/// A type's display name and how many generic parameters it (with its
+/// enclosing types) declares, so a nested type shows only its own.
+#[derive(Debug, Clone)]
+struct TypeName {
+    display: String,
+    generic_count: usize,
+}
+
+#[derive(Debug)]
+pub struct NameResolver {
+    info: CorProfilerInfo,
+    modules: HashMap<ModuleID, String>,
+    types: HashMap<(ModuleID, MdToken), TypeName>,
+}
+
+impl NameResolver {
+    pub fn new(info: CorProfilerInfo) -> Self {
+        NameResolver { info, modules: HashMap::new(), types: HashMap::new() }
+    }
+
+    pub fn resolve(&mut self, function: FunctionID) -> HResult<FunctionName> {
+        let (_class, module, method_token) = self.info.get_function_info2(function)?;
+        let module_name = self.module_name(module);
+        let metadata = self.info.get_module_metadata(module)?;
+        let method = metadata.get_method_props(method_token)?;
+        let method_generics = metadata.generic_param_names(method_token).unwrap_or_default();
+        let type_name = self.type_name(&metadata, module, method.class_token, 0)?;
+        let mut name = String::with_capacity(type_name.display.len() + method.name.len() + 8);
+        if !type_name.display.is_empty() {
+            name.push_str(&type_name.display);
+            name.push('.');
+        }
+        name.push_str(&method.name);
+        push_generic_params(&mut name, &method_generics);
+        Ok(FunctionName { name, module: module_name })
+    }
+
+    fn module_name(&mut self, module: ModuleID) -> String {
+        if let Some(n) = self.modules.get(&module) {
+            return n.clone();
+        }
+        let path = self.info.get_module_path(module).unwrap_or_default();
+        let file = path.rsplit('/').next().unwrap_or(&path).to_string();
+        self.modules.insert(module, file.clone());
+        file
+    }
+
+    fn type_name(
+        &mut self,
+        metadata: &MetaDataImport,
+        module: ModuleID,
+        token: MdToken,
+        depth: usize,
+    ) -> HResult<TypeName> {
+        // Methods outside any type (module-level functions) have token 0x02000001 `<Module>`
+        // or a nil token; show just the method then.
+        if token & 0x00FF_FFFF == 0 {
+            return Ok(TypeName { display: String::new(), generic_count: 0 });
+        }
+        if let Some(t) = self.types.get(&(module, token)) {
+            return Ok(t.clone());
+        }
+        let props = metadata.get_type_def_props(token)?;
+        let params = metadata.generic_param_names(token).unwrap_or_default();
+        let bare = strip_arity(&props.name);
+        let (mut display, inherited) = if props.is_nested() && depth < 64 {
+            let enclosing_token = metadata.get_enclosing_class(token)?;
+            let enclosing = self.type_name(metadata, module, enclosing_token, depth + 1)?;
+            (format!("{}+{}", enclosing.display, bare), enclosing.generic_count)
+        } else {
+            (bare.to_string(), 0)
+        };
+        // A nested type repeats its enclosing types' parameters first; C# shows only its own.
+        push_generic_params(&mut display, params.get(inherited..).unwrap_or(&[]));
+        let name = TypeName { display, generic_count: params.len().max(inherited) };
+        self.types.insert((module, token), name.clone());
+        Ok(name)
+    }
+}
+
+/// `Ledger`1` -> `Ledger`.
+fn strip_arity(name: &str) -> &str {
+    match name.rfind('`') {
+        Some(i) if name[i + 1..].bytes().all(|b| b.is_ascii_digit()) && i + 1 < name.len() => &name[..i],
+        _ => name,
+    }
+}
+
+fn push_generic_params(out: &mut String, params: &[String]) {
+    if params.is_empty() {
+        return;
+    }
+    out.push('<');
+    for (i, p) in params.iter().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        out.push_str(p);
+    }
+    out.push('>');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arity_suffix_is_stripped_only_when_numeric() {
+        assert_eq!(strip_arity("Ledger`1"), "Ledger");
+        assert_eq!(strip_arity("Dictionary`2"), "Dictionary");
+        assert_eq!(strip_arity("Odd`"), "Odd`");
+        assert_eq!(strip_arity("Plain"), "Plain");
+        assert_eq!(strip_arity("We`ird"), "We`ird");
+    }
+
+    #[test]
+    fn generic_params_render_csharp_style() {
+        let mut s = "Settle".to_string();
+        push_generic_params(&mut s, &["TKey".into(), "TValue".into()]);
+        assert_eq!(s, "Settle<TKey, TValue>");
+        let mut s = "Plain".to_string();
+        push_generic_params(&mut s, &[]);
+        assert_eq!(s, "Plain");
+    }
+}

@@ -1,0 +1,52 @@
+//! `corsnap report`: render a raw recording, through the same
+//! [`ProfileBuilder`] the live recording uses.
+
+use std::fs::File;
+use std::io::BufReader;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use corsnap_profile::ProfileBuilder;
+use corsnap_wire::{read_message, read_raw_header};
+
+use crate::output::{OutputFile, OutputFormat};
+
+#[derive(Debug, Clone)]
+pub struct ReportOptions {
+    pub input: PathBuf,
+    pub output: PathBuf,
+    pub format: OutputFormat,
+    pub threads: bool,
+}
+
+pub fn run(options: &ReportOptions) -> Result<()> {
+    let OutputFormat::Rendered(format) = options.format else {
+        bail!("the input is already raw: choose --format flamegraph, speedscope or collapsed");
+    };
+    let file = File::open(&options.input).with_context(|| format!("cannot open {}", options.input.display()))?;
+    let mut input = BufReader::new(file);
+    read_raw_header(&mut input).with_context(|| format!("reading {}", options.input.display()))?;
+    let output = OutputFile::create(&options.output)?;
+    let mut builder = ProfileBuilder::new();
+    let mut scratch = Vec::new();
+    loop {
+        match read_message(&mut input, &mut scratch) {
+            Ok(Some(msg)) => builder.apply(&msg),
+            Ok(None) => break,
+            Err(e) => {
+                // A recording cut short (the disk filled, the CLI was killed)
+                // still renders everything before the damage.
+                eprintln!(
+                    "corsnap: warning: {} is damaged after {} samples ({e}); rendering what precedes it",
+                    options.input.display(),
+                    builder.sample_count()
+                );
+                break;
+            }
+        }
+    }
+    let samples = builder.sample_count();
+    output.write_profile(&builder.finish(), format, options.threads)?;
+    eprintln!("corsnap: wrote {} ({samples} samples)", options.output.display());
+    Ok(())
+}
