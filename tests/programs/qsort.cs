@@ -20,6 +20,9 @@ public static unsafe class NativeSort
     public delegate int Comparison(IntPtr a, IntPtr b);
 
     // "libc" is mapped to libc.so.6 by the .NET runtime on Linux (3.1 and 8).
+    [DllImport("libc")]
+    static extern int getppid();
+
     [DllImport("libc", CallingConvention = CallingConvention.Cdecl)]
     static extern void qsort(IntPtr @base, UIntPtr num, UIntPtr size, Comparison cmp);
 
@@ -35,16 +38,28 @@ public static unsafe class NativeSort
     {
         int x = *(int*)a;
         int y = *(int*)b;
-        // Busy work so the callback dominates the profile.
-        ulong h = s_busy + (ulong)(uint)x;
+        // The callback's time is spent in system calls made from Compare. A
+        // runtime suspension parks a thread where it next touches managed
+        // code: one spinning in managed code is usually parked on its way
+        // back into native qsort, and so seen in SortOnce. One inside a
+        // system call from Compare is parked on the way back into Compare,
+        // with Compare, the native qsort frames and SortOnce on its stack.
+        for (int round = 0; round < 4; round++)
+            s_sink += getppid();
+        s_busy = Burn(s_busy + (ulong)(uint)x);
+        return x < y ? -1 : (x > y ? 1 : 0);
+    }
+
+    [MethodImpl(MethodImplOptions.NoInlining)]
+    static ulong Burn(ulong h)
+    {
         for (int i = 0; i < BusyIterations; i++)
         {
             h ^= h << 13;
             h ^= h >> 7;
             h ^= h << 17;
         }
-        s_busy = h;
-        return x < y ? -1 : (x > y ? 1 : 0);
+        return h;
     }
 
     // Fills the array with pseudo-random values and sorts it with libc qsort.

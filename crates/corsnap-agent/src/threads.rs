@@ -34,11 +34,11 @@ impl ThreadRegistry {
         entry.version = version;
     }
 
+    /// The runtime may report a thread's name before `ThreadCreated`, so
+    /// creation keeps whatever is already known; a reused `ThreadID` starts
+    /// clean because `ThreadDestroyed` removed the old entry.
     pub fn created(&self, thread: ThreadID) {
-        self.update(thread, |e| {
-            e.os_tid = 0;
-            e.name.clear();
-        });
+        self.update(thread, |_| {});
     }
 
     pub fn destroyed(&self, thread: ThreadID) {
@@ -124,6 +124,11 @@ mod tests {
         r.created(1);
         let mut second = None;
         r.with_entries([1].into_iter(), |_, e| second = e.cloned());
+        r.renamed(2, "named-early".into());
+        r.created(2);
+        let mut early = None;
+        r.with_entries([2].into_iter(), |_, e| early = e.cloned());
+        assert_eq!(early.unwrap().name, "named-early");
         let (first, second) = (first.unwrap(), second.unwrap());
         assert_eq!(first.name, "worker");
         assert_eq!(second.name, "");

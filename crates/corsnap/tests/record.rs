@@ -1,0 +1,208 @@
+//! `corsnap record` end to end, under the real .NET 8 and .NET Core 3.1
+//! runtimes: exact frames and proportions from small C# programs.
+
+mod support;
+
+use std::process::Command;
+
+use support::{count_with, describe, parse_collapsed, record, record_collapsed, scratch, Runtime};
+
+fn share_of_heavy(runtime: Runtime) {
+    let (stacks, _) = record_collapsed(runtime, "split", "3", &[]);
+    let heavy = count_with(&stacks, "Split.Heavy") as f64;
+    let light = count_with(&stacks, "Split.Light") as f64;
+    assert!(heavy + light >= 150.0, "too few samples ({heavy} + {light}):\n{}", describe(&stacks));
+    let share = heavy / (heavy + light) * 100.0;
+    assert!((70.0..=80.0).contains(&share), "Heavy has {share:.1}% of Heavy+Light, expected 75 ± 5:\n{}", describe(&stacks));
+    // Every sample of the two methods sits under Main.
+    for s in stacks.iter().filter(|s| s.frames.iter().any(|f| f == "Split.Heavy" || f == "Split.Light")) {
+        let n = s.frames.len();
+        assert_eq!(s.frames[n - 2], "Split.Main", "{:?}", s.frames);
+    }
+}
+
+#[test]
+fn time_split_3_to_1_shows_as_75_percent_on_net8() {
+    share_of_heavy(Runtime::Net8);
+}
+
+#[test]
+fn time_split_3_to_1_shows_as_75_percent_on_core31() {
+    share_of_heavy(Runtime::Core31);
+}
+
+#[test]
+fn a_200_deep_recursion_keeps_every_frame_in_order() {
+    let (stacks, _) = record_collapsed(Runtime::Net8, "recursion", "2", &[]);
+    let deepest = stacks
+        .iter()
+        .filter(|s| s.frames.last().map(String::as_str) == Some("Deep.Bottom"))
+        .max_by_key(|s| s.count)
+        .unwrap_or_else(|| panic!("no sample in Deep.Bottom:\n{}", describe(&stacks)));
+    let main = deepest.frames.iter().position(|f| f == "Deep.Main").expect("Main under the recursion");
+    let recursion = &deepest.frames[main + 1..deepest.frames.len() - 1];
+    assert_eq!(recursion.len(), 200, "frames between Main and Bottom: {:?}", deepest.frames);
+    assert!(recursion.iter().all(|f| f == "Deep.Recurse"), "{:?}", deepest.frames);
+    let bottom_samples = count_with(&stacks, "Deep.Bottom");
+    assert!(deepest.count * 10 >= bottom_samples * 9, "most Bottom samples have the full stack:\n{}", describe(&stacks));
+}
+
+fn named_threads(runtime: Runtime) {
+    let (stacks, _) = record_collapsed(runtime, "threads", "2", &["--threads"]);
+    for (thread, method) in [("worker-1", "Workers.Alpha"), ("worker-2", "Workers.Beta"), ("worker-3", "Workers.Gamma")] {
+        let of_thread: Vec<_> = stacks.iter().filter(|s| s.frames[0].starts_with(&format!("{thread} tid="))).collect();
+        let total: u64 = of_thread.iter().map(|s| s.count).sum();
+        let in_method: u64 = of_thread.iter().filter(|s| s.frames.last().unwrap() == method).map(|s| s.count).sum();
+        assert!(total >= 100, "{thread}: {total} samples:\n{}", describe(&stacks));
+        assert!(in_method * 100 >= total * 95, "{thread}: {in_method}/{total} in {method}:\n{}", describe(&stacks));
+        let tid: u32 = of_thread[0].frames[0].rsplit("tid=").next().unwrap().parse().unwrap();
+        assert!(tid > 0);
+        // No other thread runs this thread's method.
+        let elsewhere = stacks.iter().filter(|s| !s.frames[0].starts_with(thread) && s.frames.iter().any(|f| f == method));
+        assert_eq!(elsewhere.count(), 0, "{method} seen outside {thread}");
+    }
+}
+
+#[test]
+fn named_threads_show_their_own_method_and_name_on_net8() {
+    named_threads(Runtime::Net8);
+}
+
+#[test]
+fn named_threads_show_their_own_method_and_name_on_core31() {
+    named_threads(Runtime::Core31);
+}
+
+#[test]
+fn generic_and_nested_names_render_csharp_style() {
+    let (stacks, _) = record_collapsed(Runtime::Net8, "generics", "2", &[]);
+    let settle = count_with(&stacks, "Shop.Billing.Ledger<TKey>+Entry.Settle<TValue>");
+    let inner = count_with(&stacks, "Shop.Billing.Outer+Inner.Work");
+    assert!(settle > 0 && inner > 0, "names not found:\n{}", describe(&stacks));
+    assert!(settle > inner, "Settle runs 3x longer than Inner.Work:\n{}", describe(&stacks));
+}
+
+#[test]
+fn a_native_qsort_between_callback_and_caller_shows_as_native_code() {
+    let (stacks, _) = record_collapsed(Runtime::Net8, "qsort", "2", &[]);
+    let through_qsort = stacks
+        .iter()
+        .filter(|s| s.frames.windows(3).any(|w| w == ["NativeSort.SortOnce", "[native code]", "NativeSort.Compare"]))
+        .map(|s| s.count)
+        .sum::<u64>();
+    assert!(through_qsort >= 20, "no SortOnce;[native code];Compare stacks:\n{}", describe(&stacks));
+    // Compare is only ever reached through qsort.
+    assert_eq!(count_with(&stacks, "NativeSort.Compare"), through_qsort, "{}", describe(&stacks));
+}
+
+#[test]
+fn program_stdio_and_exit_code_pass_through() {
+    let dir = scratch("exitcode");
+    let out = dir.join("p.txt");
+    let output = record(Runtime::Net8, "exitcode", &[], &["-f", "collapsed", "-o", out.to_str().unwrap()], Some("abc\n"));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(7), "stderr:\n{stderr}");
+    assert_eq!(stdout, "hello from stdout\nread: abc\n");
+    assert!(stderr.contains("hello from stderr"), "{stderr}");
+    assert!(out.exists(), "the profile is written even though the program failed");
+}
+
+#[test]
+fn a_program_that_is_not_dotnet_gets_a_clear_error() {
+    let dir = scratch("not-dotnet");
+    let out = dir.join("p.svg");
+    let output =
+        Command::new(support::corsnap_bin()).args(["record", "-o", out.to_str().unwrap(), "--", "/bin/true"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("without loading the corsnap agent"), "{stderr}");
+    assert!(stderr.contains(".NET"), "{stderr}");
+    assert!(!out.exists(), "no empty profile is left behind");
+}
+
+#[test]
+fn an_unwritable_output_is_refused_before_the_program_starts() {
+    let dir = scratch("unwritable");
+    let marker = dir.join("ran");
+    let output = Command::new(support::corsnap_bin())
+        .args(["record", "-o", "/nonexistent-dir/profile.svg", "--", "sh", "-c"])
+        .arg(format!("touch {}", marker.display()))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("cannot write the output file /nonexistent-dir/profile.svg"), "{stderr}");
+    assert!(!marker.exists(), "the program must not have run");
+}
+
+#[test]
+fn a_missing_program_is_named() {
+    let output = Command::new(support::corsnap_bin())
+        .args(["record", "-o", "/tmp/corsnap-missing.svg", "--", "/no/such/program"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("cannot run /no/such/program"), "{stderr}");
+}
+
+#[test]
+fn raw_recordings_render_later_like_live_ones() {
+    let dir = scratch("raw");
+    let raw = dir.join("rec.corsnap");
+    let output = record(Runtime::Net8, "split", &["1"], &["-f", "raw", "-o", raw.to_str().unwrap()], None);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    for (format, file) in [("collapsed", "out.txt"), ("flamegraph", "out.svg"), ("speedscope", "out.json")] {
+        let out = dir.join(file);
+        let status = Command::new(support::corsnap_bin())
+            .args(["report", raw.to_str().unwrap(), "-f", format, "-o", out.to_str().unwrap()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "report --format {format}");
+        let text = std::fs::read_to_string(&out).unwrap();
+        match format {
+            "collapsed" => {
+                let stacks = parse_collapsed(&text);
+                assert!(count_with(&stacks, "Split.Heavy") > 0, "{}", describe(&stacks));
+            }
+            "flamegraph" => assert!(text.contains("<svg") && text.contains("Split.Heavy"), "svg"),
+            _ => {
+                let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+                assert_eq!(json["$schema"], "https://www.speedscope.app/file-format-schema.json");
+                assert!(text.contains("Split.Heavy"));
+            }
+        }
+    }
+    let not_raw = dir.join("out.txt");
+    let output = Command::new(support::corsnap_bin())
+        .args(["report", not_raw.to_str().unwrap(), "-o", dir.join("x.svg").to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("not a corsnap raw recording"));
+}
+
+#[test]
+fn default_flamegraph_from_a_live_run_is_an_svg_with_the_methods() {
+    let dir = scratch("svg");
+    let out = dir.join("p.svg");
+    let output = record(Runtime::Net8, "threads", &["1"], &["-o", out.to_str().unwrap()], None);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let svg = std::fs::read_to_string(&out).unwrap();
+    assert!(svg.starts_with("<?xml") && svg.contains("Workers.Alpha") && svg.contains("Workers.Gamma"));
+}
+
+#[test]
+fn duration_stops_recording_while_the_program_runs_on() {
+    let dir = scratch("duration");
+    let out = dir.join("p.txt");
+    let started = std::time::Instant::now();
+    let output = record(Runtime::Net8, "split", &["3"], &["-f", "collapsed", "-d", "1", "-o", out.to_str().unwrap()], None);
+    assert!(output.status.success());
+    assert!(started.elapsed().as_secs_f64() >= 2.5, "corsnap waits for the program to exit");
+    let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
+    let samples: u64 = stacks.iter().map(|s| s.count).sum();
+    assert!((50..=150).contains(&samples), "about 1 s at 100 Hz, got {samples}");
+    assert!(String::from_utf8_lossy(&output.stdout).starts_with("done "), "program ran to its end");
+}

@@ -1,0 +1,164 @@
+//! Helpers for end-to-end tests: compile a C# program from `tests/programs`,
+//! run it under `corsnap record`, and read the collapsed stacks back.
+//!
+//! The runtimes and the compiler come from `scripts/setup.sh`, which writes
+//! their paths to `$CORSNAP_DEPS/env.sh`; `scripts/test.sh` loads it. These
+//! tests never skip: a machine without a runtime fails them, loudly.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::{Mutex, OnceLock};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Runtime {
+    Net8,
+    Core31,
+}
+
+impl Runtime {
+    fn build_arg(self) -> &'static str {
+        match self {
+            Runtime::Net8 => "8",
+            Runtime::Core31 => "3.1",
+        }
+    }
+
+    fn env_var(self) -> &'static str {
+        match self {
+            Runtime::Net8 => "CORSNAP_DOTNET8",
+            Runtime::Core31 => "CORSNAP_DOTNET31",
+        }
+    }
+
+    pub fn dotnet(self) -> PathBuf {
+        let var = self.env_var();
+        let path = std::env::var_os(var).map(PathBuf::from).or_else(|| deps_env().get(var).map(PathBuf::from));
+        match path {
+            Some(p) if p.is_file() => p,
+            _ => panic!("{var} is not set and no runtime was found: run scripts/setup.sh (or scripts/test.sh)"),
+        }
+    }
+}
+
+/// Values from `$CORSNAP_DEPS/env.sh` (lines `export NAME=value`), so
+/// `cargo test` works after `scripts/setup.sh` without sourcing anything.
+fn deps_env() -> &'static HashMap<String, String> {
+    static ENV: OnceLock<HashMap<String, String>> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let deps = std::env::var_os("CORSNAP_DEPS")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/corsnap"));
+        let text = std::fs::read_to_string(deps.join("env.sh")).unwrap_or_default();
+        text.lines()
+            .filter_map(|l| l.trim().strip_prefix("export "))
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.trim_matches(|c| c == '"' || c == '\'').to_string()))
+            .collect()
+    })
+}
+
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
+}
+
+pub fn corsnap_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_corsnap"))
+}
+
+/// A scratch directory under `target/`, unique per test.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = repo_root().join("target/e2e").join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Compiles `tests/programs/<name>.cs` for `runtime` once per test run and
+/// returns the path of its `.dll`.
+pub fn compiled(name: &str, runtime: Runtime) -> PathBuf {
+    static BUILT: OnceLock<Mutex<HashMap<(String, Runtime), PathBuf>>> = OnceLock::new();
+    let built = BUILT.get_or_init(|| Mutex::new(HashMap::new()));
+    let mut built = built.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(p) = built.get(&(name.to_string(), runtime)) {
+        return p.clone();
+    }
+    let root = repo_root();
+    let out = root.join("target/e2e-programs").join(runtime.build_arg());
+    std::fs::create_dir_all(&out).unwrap();
+    let mut cmd = Command::new("bash");
+    cmd.arg(root.join("scripts/build-cs.sh"))
+        .arg(root.join("tests/programs").join(format!("{name}.cs")))
+        .arg(&out)
+        .arg(runtime.build_arg());
+    if std::env::var_os("CORSNAP_MCS").is_none() {
+        if let Some(mcs) = deps_env().get("CORSNAP_MCS") {
+            cmd.env("CORSNAP_MCS", mcs);
+        }
+    }
+    let status = cmd.status().expect("running scripts/build-cs.sh");
+    assert!(status.success(), "compiling {name}.cs for {runtime:?} failed");
+    let dll = out.join(format!("{name}.dll"));
+    built.insert((name.to_string(), runtime), dll.clone());
+    dll
+}
+
+/// `corsnap record` with `args` (before `--`) around `dotnet <program>.dll <program_args>`.
+pub fn record(runtime: Runtime, program: &str, program_args: &[&str], args: &[&str], stdin: Option<&str>) -> Output {
+    let dll = compiled(program, runtime);
+    let mut cmd = Command::new(corsnap_bin());
+    cmd.arg("record").args(args).arg("--").arg(runtime.dotnet()).arg(&dll).args(program_args);
+    cmd.env("DOTNET_SYSTEM_GLOBALIZATION_INVARIANT", "1");
+    cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() });
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("running corsnap");
+    if let Some(input) = stdin {
+        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// One line of collapsed output: frames root first, and the count.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stack {
+    pub frames: Vec<String>,
+    pub count: u64,
+}
+
+pub fn parse_collapsed(text: &str) -> Vec<Stack> {
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let (stack, count) = l.rsplit_once(' ').expect("collapsed line ends with a count");
+            Stack { frames: stack.split(';').map(str::to_string).collect(), count: count.parse().expect("count") }
+        })
+        .collect()
+}
+
+/// Records `program` into collapsed stacks and checks that the run succeeded.
+pub fn record_collapsed(runtime: Runtime, program: &str, seconds: &str, extra: &[&str]) -> (Vec<Stack>, Output) {
+    let dir = scratch(&format!("{program}-{runtime:?}-{}", extra.join("_").replace(['-', '/'], "")));
+    let out = dir.join("out.txt");
+    let out_str = out.to_str().unwrap();
+    let mut args = vec!["-f", "collapsed", "-o", out_str];
+    args.extend_from_slice(extra);
+    let output = record(runtime, program, &[seconds], &args, None);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "corsnap record failed: {:?}\nstderr:\n{stderr}", output.status);
+    let text = std::fs::read_to_string(&out).unwrap_or_else(|e| panic!("no output ({e}); stderr:\n{stderr}"));
+    (parse_collapsed(&text), output)
+}
+
+/// Total count of stacks whose frames contain `frame`.
+pub fn count_with(stacks: &[Stack], frame: &str) -> u64 {
+    stacks.iter().filter(|s| s.frames.iter().any(|f| f == frame)).map(|s| s.count).sum()
+}
+
+pub fn describe(stacks: &[Stack]) -> String {
+    let mut sorted: Vec<_> = stacks.iter().collect();
+    sorted.sort_by_key(|s| std::cmp::Reverse(s.count));
+    sorted.iter().take(8).map(|s| format!("{:6} {}", s.count, s.frames.join(";"))).collect::<Vec<_>>().join("\n")
+}
