@@ -31,6 +31,8 @@ pub struct RecordOptions {
     pub threads: bool,
     pub agent_log: Option<PathBuf>,
     pub agent_path: Option<PathBuf>,
+    /// Print the agent's own cost (per-tick suspend, walk, resume) at the end.
+    pub stats: bool,
 }
 
 pub fn run(options: &RecordOptions) -> Result<ExitCode> {
@@ -162,6 +164,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
 
     let samples = builder.sample_count();
     let threads = builder.thread_count();
+    let agent_stats = builder.stats();
     match (options.format, raw) {
         (OutputFormat::Raw, Some(raw)) => raw.finish(output)?,
         (OutputFormat::Rendered(format), _) => output.write_profile(&builder.finish(), format, options.threads)?,
@@ -171,6 +174,9 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
         "corsnap: wrote {} ({samples} samples from {threads} threads; recording ended: {stop_reason})",
         output_path.display()
     );
+    if let (true, Some(stats)) = (options.stats, agent_stats) {
+        eprintln!("corsnap: {}", describe_stats(&stats));
+    }
     if samples == 0 {
         eprintln!(
             "corsnap: warning: no samples were recorded (did the program run long enough at {} Hz?)",
@@ -181,6 +187,27 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
         eprintln!("corsnap: recording stopped; waiting for the program to exit");
     }
     Ok(wait_for(&mut child, exited).into_exit_code())
+}
+
+/// One line about what sampling cost inside the program.
+pub fn describe_stats(s: &corsnap_wire::SamplerStats) -> String {
+    let per_tick = |ns: u64| if s.ticks == 0 { 0.0 } else { ns as f64 / s.ticks as f64 / 1000.0 };
+    format!(
+        "agent: {} ticks ({} skipped), per tick: suspend {:.1} µs, walk {:.1} µs, resume {:.1} µs, \
+         total {:.1} µs (max {:.1} µs); {} stacks, {} walk errors, {} truncated, {} names ({} unresolved)",
+        s.ticks,
+        s.skipped_ticks,
+        per_tick(s.suspend_ns),
+        per_tick(s.walk_ns),
+        per_tick(s.resume_ns),
+        per_tick(s.suspend_ns + s.walk_ns + s.resume_ns),
+        s.max_tick_ns as f64 / 1000.0,
+        s.samples,
+        s.walk_errors,
+        s.truncated_stacks,
+        s.names_resolved,
+        s.name_failures
+    )
 }
 
 /// The program's exit, passed through as ours.

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""corsnap's overhead, measured side by side in one run.
+
+Runs bench/programs/cpu.cs (a fixed amount of CPU work) with 1 and 8 busy
+threads: without a profiler, under corsnap at 100 Hz and 1000 Hz, and under
+the runtime's own EventPipe sample profiler. Configurations are interleaved
+round by round so that noise on a shared machine hits them alike; the table
+gives each one's median work time as a ratio to no profiler, and the agent's
+own per-tick cost from its statistics.
+
+    python3 bench/run.py [--rounds 5] [--iterations 3000000]
+"""
+import argparse, os, random, re, statistics, subprocess, sys, tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sh(cmd, env=None):
+    return subprocess.run(cmd, env=env, capture_output=True, text=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iterations", type=int, default=3_000_000, help="work per thread")
+    ap.add_argument("--threads", default="1,8")
+    args = ap.parse_args()
+
+    subprocess.run(["bash", f"{ROOT}/scripts/setup.sh"], check=True)
+    deps = os.environ.get("CORSNAP_DEPS", os.path.expanduser("~/.cache/corsnap"))
+    env = dict(os.environ)
+    for line in open(os.path.join(deps, "env.sh")):
+        m = re.match(r"\s*export\s+(\w+)=['\"]?([^'\"\n]*)", line)
+        if m:
+            env[m.group(1)] = m.group(2)
+    subprocess.run(["cargo", "build", "--release", "--workspace", "--quiet"], cwd=ROOT, check=True)
+    out = os.path.join(ROOT, "target/bench")
+    subprocess.run(["bash", f"{ROOT}/scripts/build-cs.sh", f"{ROOT}/bench/programs/cpu.cs", out, "8"], env=env, check=True)
+    dotnet, dll, corsnap = env["CORSNAP_DOTNET8"], os.path.join(out, "cpu.dll"), os.path.join(ROOT, "target/release/corsnap")
+    scratch = tempfile.mkdtemp(prefix="corsnap-bench-")
+
+    def run(config, threads):
+        program = [dotnet, dll, str(threads), str(args.iterations)]
+        e = dict(env)
+        if config == "none":
+            cmd = program
+        elif config.startswith("corsnap"):
+            rate = config.split("@")[1]
+            cmd = [corsnap, "record", "--stats", "-r", rate, "-f", "collapsed", "-o", f"{scratch}/p.txt", "--"] + program
+        else:  # EventPipe's own sampler, switched on by environment alone
+            e.update(DOTNET_EnableEventPipe="1", DOTNET_EventPipeConfig="Microsoft-DotNETCore-SampleProfiler:0:5",
+                     DOTNET_EventPipeOutputPath=f"{scratch}/trace.nettrace")
+            cmd = program
+        r = sh(cmd, e)
+        m = re.search(r"elapsed_ms ([\d.]+)", r.stdout)
+        if r.returncode != 0 or not m:
+            sys.exit(f"{config} with {threads} threads failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+        tick = re.search(r"total ([\d.]+) µs", r.stderr)
+        return float(m.group(1)), float(tick.group(1)) if tick else None
+
+    configs = ["none", "corsnap@100", "corsnap@1000", "eventpipe"]
+    results = {}
+    for threads in [int(t) for t in args.threads.split(",")]:
+        for rnd in range(args.rounds):
+            order = configs[:]
+            random.shuffle(order)
+            for c in order:
+                results.setdefault((threads, c), []).append(run(c, threads))
+            print(f"  round {rnd + 1}/{args.rounds} with {threads} threads done", file=sys.stderr)
+
+    print(f"\nwork: {args.iterations} iterations per thread, median of {args.rounds} interleaved rounds, "
+          f"{os.cpu_count()} CPUs\n")
+    print(f"| busy threads | profiler | median work time | slowdown vs none | agent µs/tick (suspend+walk+resume) |")
+    print(f"|---|---|---|---|---|")
+    for threads in sorted({t for t, _ in results}):
+        base = statistics.median(x for x, _ in results[(threads, "none")])
+        for c in configs:
+            times = [x for x, _ in results[(threads, c)]]
+            ticks = [t for _, t in results[(threads, c)] if t is not None]
+            med = statistics.median(times)
+            tick = f"{statistics.median(ticks):.1f}" if ticks else "-"
+            print(f"| {threads} | {c} | {med:.0f} ms | {med / base:.3f} ({(med / base - 1) * 100:+.1f}%) | {tick} |")
+
+
+if __name__ == "__main__":
+    main()
