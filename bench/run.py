@@ -55,8 +55,8 @@ def main():
         m = re.search(r"elapsed_ms ([\d.]+)", r.stdout)
         if r.returncode != 0 or not m:
             sys.exit(f"{config} with {threads} threads failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
-        tick = re.search(r"total ([\d.]+) µs", r.stderr)
-        return float(m.group(1)), float(tick.group(1)) if tick else None
+        tick = re.search(r"median suspend ([\d.]+) µs, walk ([\d.]+) µs, resume ([\d.]+) µs", r.stderr)
+        return float(m.group(1)), tuple(float(x) for x in tick.groups()) if tick else None
 
     configs = ["none", "corsnap@100", "corsnap@1000", "eventpipe"]
     results = {}
@@ -70,7 +70,7 @@ def main():
 
     print(f"\nwork: {args.iterations} iterations per thread, median of {args.rounds} interleaved rounds, "
           f"{os.cpu_count()} CPUs\n")
-    print(f"| busy threads | profiler | median work time | slowdown vs none | agent µs/tick (suspend+walk+resume) |")
+    print(f"| busy threads | profiler | median work time | slowdown vs none | agent median µs per tick: suspend / walk / resume |")
     print(f"|---|---|---|---|---|")
     for threads in sorted({t for t, _ in results}):
         base = statistics.median(x for x, _ in results[(threads, "none")])
@@ -78,7 +78,7 @@ def main():
             times = [x for x, _ in results[(threads, c)]]
             ticks = [t for _, t in results[(threads, c)] if t is not None]
             med = statistics.median(times)
-            tick = f"{statistics.median(ticks):.1f}" if ticks else "-"
+            tick = " / ".join(f"{statistics.median(t[i] for t in ticks):.1f}" for i in range(3)) if ticks else "-"
             print(f"| {threads} | {c} | {med:.0f} ms | {med / base:.3f} ({(med / base - 1) * 100:+.1f}%) | {tick} |")
 
 

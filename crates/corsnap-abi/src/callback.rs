@@ -381,7 +381,7 @@ impl<T: ProfilerCallbacks> VtableFor<T> {
         dynamic_method_unloaded: tramp::ignored,
         event_pipe_event_delivered: tramp::ignored,
         event_pipe_provider_created: tramp::ignored,
-        load_as_notification_only: tramp::load_as_notification_only::<T>,
+        load_as_notification_only: tramp::load_as_notification_only,
     };
 }
 
@@ -485,7 +485,7 @@ mod tramp {
         })
     }
 
-    pub unsafe extern "C" fn load_as_notification_only<T: ProfilerCallbacks>(
+    pub unsafe extern "C" fn load_as_notification_only(
         _this: *mut c_void,
         notification_only: *mut i32,
     ) -> HRESULT {

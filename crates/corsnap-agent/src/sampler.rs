@@ -30,6 +30,11 @@ const ARENA_FRAMES: usize = 256 * 1024;
 const MAX_THREADS_PER_TICK: usize = 4096;
 /// How often running totals go to the CLI.
 const STATS_EVERY: Duration = Duration::from_secs(1);
+/// Samples are sent in batches: a send per tick would wake the CLI (and
+/// take a CPU from the program) up to a thousand times a second.
+const SEND_EVERY: Duration = Duration::from_millis(50);
+/// ...or sooner, once this much is waiting.
+const SEND_AT_BYTES: usize = 256 * 1024;
 
 #[derive(Debug, Clone, Copy)]
 pub struct SamplerConfig {
@@ -53,6 +58,10 @@ impl Channel {
 
     pub fn queue(&mut self, msg: &Message) {
         msg.encode_into(&mut self.pending);
+    }
+
+    pub fn pending_bytes(&self) -> usize {
+        self.pending.len()
     }
 
     pub fn flush(&mut self) -> io::Result<()> {
@@ -125,6 +134,53 @@ impl Sampler {
     }
 }
 
+/// The last [`TickTimes::WINDOW`] ticks' phase durations, for medians.
+/// Preallocated; recording a tick never allocates.
+struct TickTimes {
+    suspend: Vec<u64>,
+    walk: Vec<u64>,
+    resume: Vec<u64>,
+    next: usize,
+}
+
+impl TickTimes {
+    const WINDOW: usize = 4096;
+
+    fn new() -> Self {
+        let v = || Vec::with_capacity(Self::WINDOW);
+        TickTimes { suspend: v(), walk: v(), resume: v(), next: 0 }
+    }
+
+    fn record(&mut self, suspend: u64, walk: u64, resume: u64) {
+        if self.suspend.len() < Self::WINDOW {
+            self.suspend.push(suspend);
+            self.walk.push(walk);
+            self.resume.push(resume);
+        } else {
+            self.suspend[self.next] = suspend;
+            self.walk[self.next] = walk;
+            self.resume[self.next] = resume;
+        }
+        self.next = (self.next + 1) % Self::WINDOW;
+    }
+
+    fn fill(&self, stats: &mut SamplerStats) {
+        fn percentile(values: impl Iterator<Item = u64>, p: usize) -> u64 {
+            let mut v: Vec<u64> = values.collect();
+            if v.is_empty() {
+                return 0;
+            }
+            v.sort_unstable();
+            v[(v.len() - 1) * p / 100]
+        }
+        stats.suspend_p50_ns = percentile(self.suspend.iter().copied(), 50);
+        stats.walk_p50_ns = percentile(self.walk.iter().copied(), 50);
+        stats.resume_p50_ns = percentile(self.resume.iter().copied(), 50);
+        let totals = (0..self.suspend.len()).map(|i| self.suspend[i] + self.walk[i] + self.resume[i]);
+        stats.tick_p99_ns = percentile(totals, 99);
+    }
+}
+
 /// One stack captured under suspension: where its frames sit in the arena.
 #[derive(Debug, Clone, Copy)]
 struct StackRecord {
@@ -164,6 +220,7 @@ struct SamplerLoop {
     /// What the CLI was last told about each thread: (registry version, OS tid).
     sent_threads: HashMap<ThreadID, (u64, u32)>,
     stats: SamplerStats,
+    tick_times: TickTimes,
     started: Instant,
     rng: u64,
     logged_errors: u32,
@@ -182,6 +239,7 @@ impl SamplerLoop {
             sent_functions: HashSet::new(),
             sent_threads: HashMap::new(),
             stats: SamplerStats::default(),
+            tick_times: TickTimes::new(),
             started: Instant::now(),
             rng: (seed as u64) | 1,
             logged_errors: 0,
@@ -192,6 +250,7 @@ impl SamplerLoop {
         self.warm_up();
         let mut next_tick = Instant::now();
         let mut next_stats = Instant::now() + STATS_EVERY;
+        let mut next_send = Instant::now();
         let reason = loop {
             next_tick += self.jittered_interval();
             let now = Instant::now();
@@ -205,16 +264,26 @@ impl SamplerLoop {
             self.tick();
             if Instant::now() >= next_stats {
                 next_stats += STATS_EVERY;
-                self.channel.queue(&Message::Stats(self.stats));
+                self.queue_stats();
             }
-            if let Err(e) = self.channel.flush() {
-                break format!("corsnap went away ({e})");
+            let now = Instant::now();
+            if now >= next_send || self.channel.pending_bytes() >= SEND_AT_BYTES {
+                next_send = now + SEND_EVERY;
+                if let Err(e) = self.channel.flush() {
+                    break format!("corsnap went away ({e})");
+                }
             }
         };
         log::write(format_args!("sampler stopping: {reason}; {:?}", self.stats));
-        self.channel.queue(&Message::Stats(self.stats));
+        self.queue_stats();
         self.channel.queue(&Message::Goodbye { reason });
         let _ = self.channel.flush();
+    }
+
+    fn queue_stats(&mut self) {
+        self.tick_times.fill(&mut self.stats);
+        self.stats.sampler_cpu_ns = corsnap_abi::thread_cpu_time_ns(corsnap_abi::current_os_tid()).unwrap_or(0);
+        self.channel.queue(&Message::Stats(self.stats));
     }
 
     /// Seed 004: the first time a thread of ours enters `DoStackSnapshot` the
@@ -267,6 +336,7 @@ impl SamplerLoop {
         self.stats.walk_ns += ns(t2 - t1);
         self.stats.resume_ns += ns(t3 - t2);
         self.stats.max_tick_ns = self.stats.max_tick_ns.max(ns(t3 - t0));
+        self.tick_times.record(ns(t1 - t0), ns(t2 - t1), ns(t3 - t2));
         self.publish(ns(t1 - self.started));
     }
 

@@ -61,6 +61,15 @@ pub struct SamplerStats {
     pub names_resolved: u64,
     /// Function names that could not be resolved.
     pub name_failures: u64,
+    /// Medians over the most recent ticks (up to 4096), in nanoseconds: the
+    /// sums above are dominated by rare long ticks on a busy machine.
+    pub suspend_p50_ns: u64,
+    pub walk_p50_ns: u64,
+    pub resume_p50_ns: u64,
+    /// 99th percentile of a whole tick over the same window.
+    pub tick_p99_ns: u64,
+    /// CPU time the sampler thread itself has used.
+    pub sampler_cpu_ns: u64,
 }
 
 /// Everything that travels from the agent to the CLI. `Recording` is written
@@ -328,7 +337,7 @@ fn finish_frame(buf: &mut [u8], start: usize) {
     buf[start..start + 4].copy_from_slice(&len.to_le_bytes());
 }
 
-const STATS_FIELDS: usize = 11;
+const STATS_FIELDS: usize = 16;
 
 fn stats_fields(s: &SamplerStats) -> [u64; STATS_FIELDS] {
     [
@@ -343,6 +352,11 @@ fn stats_fields(s: &SamplerStats) -> [u64; STATS_FIELDS] {
         s.max_tick_ns,
         s.names_resolved,
         s.name_failures,
+        s.suspend_p50_ns,
+        s.walk_p50_ns,
+        s.resume_p50_ns,
+        s.tick_p99_ns,
+        s.sampler_cpu_ns,
     ]
 }
 
@@ -359,6 +373,11 @@ fn stats_from_fields(v: [u64; STATS_FIELDS]) -> SamplerStats {
         max_tick_ns: v[8],
         names_resolved: v[9],
         name_failures: v[10],
+        suspend_p50_ns: v[11],
+        walk_p50_ns: v[12],
+        resume_p50_ns: v[13],
+        tick_p99_ns: v[14],
+        sampler_cpu_ns: v[15],
     }
 }
 

@@ -191,17 +191,21 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
 
 /// One line about what sampling cost inside the program.
 pub fn describe_stats(s: &corsnap_wire::SamplerStats) -> String {
-    let per_tick = |ns: u64| if s.ticks == 0 { 0.0 } else { ns as f64 / s.ticks as f64 / 1000.0 };
+    let us = |ns: u64| ns as f64 / 1000.0;
+    let mean = |ns: u64| if s.ticks == 0 { 0.0 } else { us(ns) / s.ticks as f64 };
     format!(
-        "agent: {} ticks ({} skipped), per tick: suspend {:.1} µs, walk {:.1} µs, resume {:.1} µs, \
-         total {:.1} µs (max {:.1} µs); {} stacks, {} walk errors, {} truncated, {} names ({} unresolved)",
+        "agent: {} ticks ({} skipped); per tick median suspend {:.1} µs, walk {:.1} µs, resume {:.1} µs \
+         (mean total {:.1} µs, p99 {:.1} µs, max {:.1} µs); sampler CPU {:.0} ms; {} stacks, {} walk errors, \
+         {} truncated, {} names ({} unresolved)",
         s.ticks,
         s.skipped_ticks,
-        per_tick(s.suspend_ns),
-        per_tick(s.walk_ns),
-        per_tick(s.resume_ns),
-        per_tick(s.suspend_ns + s.walk_ns + s.resume_ns),
-        s.max_tick_ns as f64 / 1000.0,
+        us(s.suspend_p50_ns),
+        us(s.walk_p50_ns),
+        us(s.resume_p50_ns),
+        mean(s.suspend_ns + s.walk_ns + s.resume_ns),
+        us(s.tick_p99_ns),
+        us(s.max_tick_ns),
+        s.sampler_cpu_ns as f64 / 1e6,
         s.samples,
         s.walk_errors,
         s.truncated_stacks,

@@ -13,7 +13,11 @@ fn share_of_heavy(runtime: Runtime) {
     let light = count_with(&stacks, "Split.Light") as f64;
     assert!(heavy + light >= 150.0, "too few samples ({heavy} + {light}):\n{}", describe(&stacks));
     let share = heavy / (heavy + light) * 100.0;
-    assert!((70.0..=80.0).contains(&share), "Heavy has {share:.1}% of Heavy+Light, expected 75 ± 5:\n{}", describe(&stacks));
+    assert!(
+        (70.0..=80.0).contains(&share),
+        "Heavy has {share:.1}% of Heavy+Light, expected 75 ± 5:\n{}",
+        describe(&stacks)
+    );
     // Every sample of the two methods sits under Main.
     for s in stacks.iter().filter(|s| s.frames.iter().any(|f| f == "Split.Heavy" || f == "Split.Light")) {
         let n = s.frames.len();
@@ -44,12 +48,17 @@ fn a_200_deep_recursion_keeps_every_frame_in_order() {
     assert_eq!(recursion.len(), 200, "frames between Main and Bottom: {:?}", deepest.frames);
     assert!(recursion.iter().all(|f| f == "Deep.Recurse"), "{:?}", deepest.frames);
     let bottom_samples = count_with(&stacks, "Deep.Bottom");
-    assert!(deepest.count * 10 >= bottom_samples * 9, "most Bottom samples have the full stack:\n{}", describe(&stacks));
+    assert!(
+        deepest.count * 10 >= bottom_samples * 9,
+        "most Bottom samples have the full stack:\n{}",
+        describe(&stacks)
+    );
 }
 
 fn named_threads(runtime: Runtime) {
     let (stacks, _) = record_collapsed(runtime, "threads", "2", &["--threads"]);
-    for (thread, method) in [("worker-1", "Workers.Alpha"), ("worker-2", "Workers.Beta"), ("worker-3", "Workers.Gamma")] {
+    for (thread, method) in [("worker-1", "Workers.Alpha"), ("worker-2", "Workers.Beta"), ("worker-3", "Workers.Gamma")]
+    {
         let of_thread: Vec<_> = stacks.iter().filter(|s| s.frames[0].starts_with(&format!("{thread} tid="))).collect();
         let total: u64 = of_thread.iter().map(|s| s.count).sum();
         let in_method: u64 = of_thread.iter().filter(|s| s.frames.last().unwrap() == method).map(|s| s.count).sum();
@@ -58,7 +67,8 @@ fn named_threads(runtime: Runtime) {
         let tid: u32 = of_thread[0].frames[0].rsplit("tid=").next().unwrap().parse().unwrap();
         assert!(tid > 0);
         // No other thread runs this thread's method.
-        let elsewhere = stacks.iter().filter(|s| !s.frames[0].starts_with(thread) && s.frames.iter().any(|f| f == method));
+        let elsewhere =
+            stacks.iter().filter(|s| !s.frames[0].starts_with(thread) && s.frames.iter().any(|f| f == method));
         assert_eq!(elsewhere.count(), 0, "{method} seen outside {thread}");
     }
 }
@@ -99,7 +109,8 @@ fn a_native_qsort_between_callback_and_caller_shows_as_native_code() {
 fn program_stdio_and_exit_code_pass_through() {
     let dir = scratch("exitcode");
     let out = dir.join("p.txt");
-    let output = record(Runtime::Net8, "exitcode", &[], &["-f", "collapsed", "-o", out.to_str().unwrap()], Some("abc\n"));
+    let output =
+        record(Runtime::Net8, "exitcode", &[], &["-f", "collapsed", "-o", out.to_str().unwrap()], Some("abc\n"));
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(7), "stderr:\n{stderr}");
@@ -112,8 +123,10 @@ fn program_stdio_and_exit_code_pass_through() {
 fn a_program_that_is_not_dotnet_gets_a_clear_error() {
     let dir = scratch("not-dotnet");
     let out = dir.join("p.svg");
-    let output =
-        Command::new(support::corsnap_bin()).args(["record", "-o", out.to_str().unwrap(), "--", "/bin/true"]).output().unwrap();
+    let output = Command::new(support::corsnap_bin())
+        .args(["record", "-o", out.to_str().unwrap(), "--", "/bin/true"])
+        .output()
+        .unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success());
     assert!(stderr.contains("without loading the corsnap agent"), "{stderr}");
@@ -198,7 +211,8 @@ fn duration_stops_recording_while_the_program_runs_on() {
     let dir = scratch("duration");
     let out = dir.join("p.txt");
     let started = std::time::Instant::now();
-    let output = record(Runtime::Net8, "split", &["3"], &["-f", "collapsed", "-d", "1", "-o", out.to_str().unwrap()], None);
+    let output =
+        record(Runtime::Net8, "split", &["3"], &["-f", "collapsed", "-d", "1", "-o", out.to_str().unwrap()], None);
     assert!(output.status.success());
     assert!(started.elapsed().as_secs_f64() >= 2.5, "corsnap waits for the program to exit");
     let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
