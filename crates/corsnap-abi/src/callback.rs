@@ -485,10 +485,7 @@ mod tramp {
         })
     }
 
-    pub unsafe extern "C" fn load_as_notification_only(
-        _this: *mut c_void,
-        notification_only: *mut i32,
-    ) -> HRESULT {
+    pub unsafe extern "C" fn load_as_notification_only(_this: *mut c_void, notification_only: *mut i32) -> HRESULT {
         if notification_only.is_null() {
             return hr::E_POINTER;
         }

@@ -12,11 +12,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 static LOG: Mutex<Option<File>> = Mutex::new(None);
 
-pub fn init_from_env() {
-    let Ok(path) = std::env::var(corsnap_wire::ENV_LOG) else { return };
-    if path.is_empty() {
-        return;
-    }
+/// Opens the log file, if a path is given (from `CORSNAP_AGENT_LOG` at
+/// start-up, or from the attach request).
+pub fn init(path: Option<&str>) {
+    let Some(path) = path.filter(|p| !p.is_empty()) else { return };
     use std::os::unix::fs::OpenOptionsExt;
     if let Ok(file) = std::fs::OpenOptions::new().create(true).append(true).mode(0o600).open(path) {
         *LOG.lock().unwrap_or_else(|p| p.into_inner()) = Some(file);

@@ -7,7 +7,12 @@
 
 use std::collections::HashMap;
 
-use corsnap_abi::{CorProfilerInfo, FunctionID, HResult, MdToken, MetaDataImport, ModuleID};
+use std::sync::Arc;
+
+use corsnap_abi::{hr, CorProfilerInfo, FunctionID, HResult, HResultError, MdToken, MetaDataImport, ModuleID};
+
+use crate::modules::ModuleState;
+use crate::Shared;
 
 /// A resolved function.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,18 +32,23 @@ struct TypeName {
 
 #[derive(Debug)]
 pub struct NameResolver {
+    shared: Arc<Shared>,
     info: CorProfilerInfo,
     modules: HashMap<ModuleID, String>,
     types: HashMap<(ModuleID, MdToken), TypeName>,
 }
 
 impl NameResolver {
-    pub fn new(info: CorProfilerInfo) -> Self {
-        NameResolver { info, modules: HashMap::new(), types: HashMap::new() }
+    pub fn new(shared: Arc<Shared>) -> Self {
+        NameResolver { info: shared.info, shared, modules: HashMap::new(), types: HashMap::new() }
     }
 
     pub fn resolve(&mut self, function: FunctionID) -> HResult<FunctionName> {
         let (_class, module, method_token) = self.info.get_function_info2(function)?;
+        if self.shared.modules.state(module) == Some(ModuleState::Unloading) {
+            // The module is going away: its metadata must not be touched.
+            return Err(HResultError(hr::CORPROF_E_DATAINCOMPLETE));
+        }
         let module_name = self.module_name(module);
         let metadata = self.info.get_module_metadata(module)?;
         let method = metadata.get_method_props(method_token)?;

@@ -11,6 +11,7 @@
 use std::collections::{HashMap, HashSet};
 use std::io;
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -36,11 +37,6 @@ const SEND_EVERY: Duration = Duration::from_millis(50);
 /// ...or sooner, once this much is waiting.
 const SEND_AT_BYTES: usize = 256 * 1024;
 
-#[derive(Debug, Clone, Copy)]
-pub struct SamplerConfig {
-    pub rate_hz: u32,
-}
-
 /// The connection to the CLI. Writes use `MSG_NOSIGNAL`: a CLI that went away
 /// must cost us an error, not a `SIGPIPE` that kills the application.
 #[derive(Debug)]
@@ -52,6 +48,11 @@ pub struct Channel {
 impl Channel {
     pub fn connect(path: &str) -> io::Result<Channel> {
         let stream = UnixStream::connect(path)?;
+        // Only the user we run as may steer us.
+        let (_, peer_uid) = corsnap_abi::peer_credentials(&stream)?;
+        if peer_uid != corsnap_abi::current_uid() {
+            return Err(io::Error::new(io::ErrorKind::PermissionDenied, format!("socket owned by uid {peer_uid}")));
+        }
         stream.set_write_timeout(Some(Duration::from_secs(5)))?;
         Ok(Channel { stream, pending: Vec::with_capacity(64 * 1024) })
     }
@@ -70,38 +71,99 @@ impl Channel {
         result
     }
 
+    pub fn try_clone_stream(&self) -> io::Result<UnixStream> {
+        self.stream.try_clone()
+    }
+
     pub fn send(&mut self, msg: &Message) -> io::Result<()> {
         self.queue(msg);
         self.flush()
     }
 }
 
-/// Why the sampler should stop, set by whoever stops it.
-#[derive(Debug, Default)]
-struct StopSignal {
-    reason: Mutex<Option<String>>,
+/// How the other threads steer the sampler: stop it, change its rate, or ask
+/// for one snapshot now. Waking it takes this lock, which the sampler never
+/// holds while the runtime is suspended.
+#[derive(Debug)]
+pub struct SamplerSignal {
+    rate_hz: AtomicU32,
+    state: Mutex<SignalState>,
     raised: Condvar,
 }
 
-impl StopSignal {
-    fn raise(&self, reason: &str) {
-        let mut r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
-        r.get_or_insert_with(|| reason.to_string());
+#[derive(Debug, Default)]
+struct SignalState {
+    stop: Option<String>,
+    snapshot: bool,
+    woken: bool,
+}
+
+/// Why [`SamplerSignal::wait`] returned.
+#[derive(Debug, Default)]
+struct Wake {
+    stop: Option<String>,
+    snapshot: bool,
+}
+
+impl SamplerSignal {
+    pub fn new(rate_hz: u32) -> Self {
+        SamplerSignal {
+            rate_hz: AtomicU32::new(rate_hz),
+            state: Mutex::new(SignalState::default()),
+            raised: Condvar::new(),
+        }
+    }
+
+    fn update(&self, f: impl FnOnce(&mut SignalState)) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        f(&mut s);
+        s.woken = true;
         self.raised.notify_all();
     }
 
-    /// Sleeps until `deadline`; returns the stop reason if raised first.
-    fn sleep_until(&self, deadline: Instant) -> Option<String> {
-        let mut r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
+    pub fn stop(&self, reason: &str) {
+        self.update(|s| {
+            s.stop.get_or_insert_with(|| reason.to_string());
+        });
+    }
+
+    /// Sampling rate in Hz; 0 pauses sampling (snapshots still work).
+    pub fn set_rate(&self, hz: u32) {
+        self.rate_hz.store(hz, Ordering::SeqCst);
+        self.wake();
+    }
+
+    pub fn rate(&self) -> u32 {
+        self.rate_hz.load(Ordering::SeqCst)
+    }
+
+    pub fn request_snapshot(&self) {
+        self.update(|s| s.snapshot = true);
+    }
+
+    /// Wakes the sampler so it sends what other threads posted.
+    pub fn wake(&self) {
+        self.update(|_| {});
+    }
+
+    /// Sleeps until `deadline` (forever if `None`) or until woken.
+    fn wait(&self, deadline: Option<Instant>) -> Wake {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         loop {
-            if let Some(reason) = r.as_ref() {
-                return Some(reason.clone());
+            if s.stop.is_some() || s.snapshot || s.woken {
+                s.woken = false;
+                return Wake { stop: s.stop.clone(), snapshot: std::mem::take(&mut s.snapshot) };
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return None;
+            match deadline {
+                None => s = self.raised.wait(s).unwrap_or_else(|p| p.into_inner()),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return Wake::default();
+                    }
+                    s = self.raised.wait_timeout(s, d - now).unwrap_or_else(|p| p.into_inner()).0;
+                }
             }
-            r = self.raised.wait_timeout(r, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
         }
     }
 }
@@ -110,26 +172,28 @@ impl StopSignal {
 #[derive(Debug)]
 pub struct Sampler {
     thread: NativeThread,
-    stop: Arc<StopSignal>,
+    shared: Arc<Shared>,
 }
 
 impl Sampler {
-    pub fn start(shared: Arc<Shared>, channel: Channel, config: SamplerConfig) -> io::Result<Sampler> {
-        let stop = Arc::new(StopSignal::default());
-        let stop_for_thread = stop.clone();
-        let thread = NativeThread::spawn("corsnap-sampler", move || {
-            SamplerLoop::new(shared, channel, config).run(&stop_for_thread);
-        })?;
-        Ok(Sampler { thread, stop })
+    pub fn start(shared: Arc<Shared>, channel: Channel) -> io::Result<Sampler> {
+        let for_thread = shared.clone();
+        let thread = NativeThread::spawn("corsnap-sampler", move || SamplerLoop::new(for_thread, channel).run())?;
+        Ok(Sampler { thread, shared })
     }
 
-    /// Stops the thread and waits for it (up to `timeout`: at process exit
-    /// the runtime may never let a suspension finish, and the process is
-    /// going away regardless).
-    pub fn stop(self, reason: &str, timeout: Duration) {
-        self.stop.raise(reason);
-        if self.thread.join_timeout(timeout).is_err() {
-            log::write(format_args!("sampler did not stop within {timeout:?}"));
+    /// Stops the thread and waits for it: when this returns, no sample is in
+    /// progress and none will start (seed 002: a flag alone is not enough).
+    /// The wait is bounded at process exit, where the runtime may never let a
+    /// suspension finish and the process is going away regardless.
+    pub fn stop(self, reason: &str, timeout: Duration) -> bool {
+        self.shared.signal.stop(reason);
+        match self.thread.join_timeout(timeout) {
+            Ok(()) => true,
+            Err(_) => {
+                log::write(format_args!("sampler did not stop within {timeout:?}"));
+                false
+            }
         }
     }
 }
@@ -213,7 +277,6 @@ impl TickBuffers {
 struct SamplerLoop {
     shared: Arc<Shared>,
     channel: Channel,
-    interval: Duration,
     buffers: TickBuffers,
     names: NameResolver,
     sent_functions: HashSet<FunctionID>,
@@ -227,13 +290,12 @@ struct SamplerLoop {
 }
 
 impl SamplerLoop {
-    fn new(shared: Arc<Shared>, channel: Channel, config: SamplerConfig) -> Self {
-        let names = NameResolver::new(shared.info);
+    fn new(shared: Arc<Shared>, channel: Channel) -> Self {
+        let names = NameResolver::new(shared.clone());
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
         SamplerLoop {
             shared,
             channel,
-            interval: Duration::from_nanos(1_000_000_000 / u64::from(config.rate_hz.max(1))),
             buffers: TickBuffers::new(),
             names,
             sent_functions: HashSet::new(),
@@ -246,28 +308,47 @@ impl SamplerLoop {
         }
     }
 
-    fn run(mut self, stop: &StopSignal) {
+    fn run(mut self) {
         self.warm_up();
-        let mut next_tick = Instant::now();
+        let mut next_tick: Option<Instant> = None;
         let mut next_stats = Instant::now() + STATS_EVERY;
         let mut next_send = Instant::now();
         let reason = loop {
-            next_tick += self.jittered_interval();
-            let now = Instant::now();
-            if next_tick < now {
-                // Behind (a long tick or a descheduled thread): do not burst.
-                next_tick = now;
+            let rate = self.shared.signal.rate();
+            if rate == 0 {
+                next_tick = None;
+            } else if next_tick.is_none() {
+                next_tick = Some(Instant::now() + self.jittered_interval(rate));
             }
-            if let Some(reason) = stop.sleep_until(next_tick) {
+            let wake = self.shared.signal.wait(next_tick);
+            if let Some(reason) = wake.stop {
                 break reason;
             }
-            self.tick();
-            if Instant::now() >= next_stats {
-                next_stats += STATS_EVERY;
-                self.queue_stats();
+            let mut send_now = false;
+            if wake.snapshot {
+                self.tick();
+                self.channel.queue(&Message::SnapshotEnd);
+                send_now = true;
+            }
+            if let Some(due) = next_tick {
+                let now = Instant::now();
+                if now >= due {
+                    self.tick();
+                    // Behind (a long tick, a descheduled thread): do not burst.
+                    next_tick = Some((due + self.jittered_interval(rate)).max(now));
+                }
+            }
+            let posted = std::mem::take(&mut *self.shared.outbox.lock().unwrap_or_else(|p| p.into_inner()));
+            send_now |= !posted.is_empty();
+            for msg in &posted {
+                self.channel.queue(msg);
             }
             let now = Instant::now();
-            if now >= next_send || self.channel.pending_bytes() >= SEND_AT_BYTES {
+            if now >= next_stats {
+                next_stats = now + STATS_EVERY;
+                self.queue_stats();
+            }
+            if send_now || now >= next_send || self.channel.pending_bytes() >= SEND_AT_BYTES {
                 next_send = now + SEND_EVERY;
                 if let Err(e) = self.channel.flush() {
                     break format!("corsnap went away ({e})");
@@ -300,14 +381,15 @@ impl SamplerLoop {
         log::write(format_args!("warm-up snapshot (nothing suspended): {}", hr::describe(status)));
     }
 
-    fn jittered_interval(&mut self) -> Duration {
+    fn jittered_interval(&mut self, rate_hz: u32) -> Duration {
+        let interval = Duration::from_nanos(1_000_000_000 / u64::from(rate_hz.clamp(1, crate::MAX_RATE_HZ)));
         // xorshift64: cheap, and good enough to keep ticks from locking step
         // with the program's own periodic work.
         self.rng ^= self.rng << 13;
         self.rng ^= self.rng >> 7;
         self.rng ^= self.rng << 17;
         let permille = 900 + (self.rng % 201); // 0.9 .. 1.1
-        self.interval * permille as u32 / 1000
+        interval * permille as u32 / 1000
     }
 
     fn tick(&mut self) {
@@ -440,9 +522,21 @@ impl SamplerLoop {
                 }
             },
         );
-        for (thread, version, os_tid, name) in updates {
+        for (thread, version, os_tid, mut name) in updates {
+            if name.is_empty() && self.shared.attached {
+                // Names given before we attached were never announced to us;
+                // the runtime also names the OS thread (15 bytes of it).
+                name = os_thread_name(os_tid).unwrap_or_default();
+            }
             self.sent_threads.insert(thread, (version, os_tid));
             self.channel.queue(&Message::Thread { thread_id: thread as u64, os_tid, name });
         }
     }
+}
+
+/// The kernel's name for one of our process's threads.
+fn os_thread_name(os_tid: u32) -> Option<String> {
+    let comm = std::fs::read_to_string(format!("/proc/self/task/{os_tid}/comm")).ok()?;
+    let comm = comm.trim_end_matches('\n');
+    (!comm.is_empty()).then(|| comm.to_string())
 }

@@ -66,6 +66,7 @@ impl ProfileBuilder {
             Message::Stats(stats) => self.profile.meta.stats = Some(*stats),
             Message::Notice { severity, text } => self.notices.push((*severity, text.clone())),
             Message::Goodbye { reason } => self.goodbye = Some(reason.clone()),
+            Message::SnapshotEnd => {}
         }
     }
 

@@ -103,6 +103,8 @@ pub enum Message {
     Goodbye { reason: String },
     /// CLI-side header of a raw recording: what was run and when.
     Recording { command: String, start_unix_ms: u64 },
+    /// Everything from a requested snapshot has been sent.
+    SnapshotEnd,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,6 +123,7 @@ mod tag {
     pub const NOTICE: u8 = 6;
     pub const GOODBYE: u8 = 7;
     pub const RECORDING: u8 = 8;
+    pub const SNAPSHOT_END: u8 = 9;
 }
 
 /// Why bytes could not be turned into a message.
@@ -252,6 +255,7 @@ impl Message {
                 w.str(command);
                 w.u64(*start_unix_ms);
             }
+            Message::SnapshotEnd => w.u8(tag::SNAPSHOT_END),
         }
         finish_frame(buf, start);
     }
@@ -302,6 +306,7 @@ impl Message {
             }
             tag::GOODBYE => Message::Goodbye { reason: r.string()? },
             tag::RECORDING => Message::Recording { command: r.string()?, start_unix_ms: r.u64()? },
+            tag::SNAPSHOT_END => Message::SnapshotEnd,
             other => return Err(DecodeError::UnknownTag(other)),
         };
         if !r.rest.is_empty() {
@@ -421,6 +426,130 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// What the CLI asks of the agent over the same socket (the seed's control
+/// commands). Frames are tiny; anything over [`MAX_COMMAND_LEN`] is refused
+/// before it is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Command {
+    /// Stop sampling and take the agent out of the process.
+    Detach,
+    /// Change the sampling rate; 0 pauses sampling.
+    SetRate(u32),
+    /// Start (true) or stop (false) watching exceptions.
+    Exceptions(bool),
+    /// Force a full garbage collection.
+    ForceGc,
+    /// Walk every thread once, now, and send the stacks followed by
+    /// [`Message::SnapshotEnd`].
+    SnapshotNow,
+}
+
+/// Longest command frame body.
+pub const MAX_COMMAND_LEN: u32 = 16;
+
+impl Command {
+    pub fn encode_into(&self, buf: &mut Vec<u8>) {
+        let start = buf.len();
+        buf.extend_from_slice(&[0; 4]);
+        match *self {
+            Command::Detach => buf.push(0x41),
+            Command::SetRate(hz) => {
+                buf.push(0x42);
+                buf.extend_from_slice(&hz.to_le_bytes());
+            }
+            Command::Exceptions(on) => buf.extend_from_slice(&[0x43, u8::from(on)]),
+            Command::ForceGc => buf.push(0x44),
+            Command::SnapshotNow => buf.push(0x45),
+        }
+        finish_frame(buf, start);
+    }
+
+    pub fn decode(body: &[u8]) -> Result<Command, DecodeError> {
+        let mut r = Reader { rest: body };
+        let cmd = match r.u8()? {
+            0x41 => Command::Detach,
+            0x42 => Command::SetRate(r.u32()?),
+            0x43 => Command::Exceptions(r.bool()?),
+            0x44 => Command::ForceGc,
+            0x45 => Command::SnapshotNow,
+            other => return Err(DecodeError::UnknownTag(other)),
+        };
+        if !r.rest.is_empty() {
+            return Err(DecodeError::TrailingBytes(r.rest.len()));
+        }
+        Ok(cmd)
+    }
+}
+
+/// Reads one command frame. `Ok(None)` is a clean end of stream. A frame
+/// that decodes badly is `Ok(Some(Err(..)))`: the stream is still in step and
+/// the reader may go on; an oversized frame is an `Err`, since the rest of the
+/// stream can no longer be trusted.
+pub fn read_command(input: &mut impl Read) -> io::Result<Option<Result<Command, DecodeError>>> {
+    let mut len = [0u8; 4];
+    let mut got = 0;
+    while got < 4 {
+        match input.read(&mut len[got..]) {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "stream ends inside a command")),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let len = u32::from_le_bytes(len);
+    if len > MAX_COMMAND_LEN {
+        return Err(DecodeError::FrameTooLarge(len).into());
+    }
+    let mut body = [0u8; MAX_COMMAND_LEN as usize];
+    input.read_exact(&mut body[..len as usize])?;
+    Ok(Some(Command::decode(&body[..len as usize])))
+}
+
+/// What `corsnap record --pid` hands the agent through the runtime's
+/// `AttachProfiler` call: where to connect and how to sample.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttachRequest {
+    pub socket: String,
+    pub rate_hz: u32,
+    pub log: Option<String>,
+}
+
+const ATTACH_MAGIC: &str = "corsnap-attach-v1";
+
+impl AttachRequest {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut s = format!("{ATTACH_MAGIC}\nsocket={}\nrate={}\n", self.socket, self.rate_hz);
+        if let Some(log) = &self.log {
+            s.push_str(&format!("log={log}\n"));
+        }
+        s.into_bytes()
+    }
+
+    /// Parses client data; `None` for anything that is not ours or is
+    /// malformed (the agent then declines the attach).
+    pub fn decode(data: &[u8]) -> Option<AttachRequest> {
+        if data.len() > 8192 {
+            return None;
+        }
+        let text = std::str::from_utf8(data).ok()?;
+        let mut lines = text.lines();
+        if lines.next()? != ATTACH_MAGIC {
+            return None;
+        }
+        let (mut socket, mut rate, mut log) = (None, None, None);
+        for line in lines {
+            match line.split_once('=')? {
+                ("socket", v) if !v.is_empty() => socket = Some(v.to_string()),
+                ("rate", v) => rate = Some(v.parse().ok()?),
+                ("log", v) => log = Some(v.to_string()),
+                _ => return None,
+            }
+        }
+        Some(AttachRequest { socket: socket?, rate_hz: rate?, log })
+    }
+}
+
 /// Reads one framed message. `Ok(None)` is a clean end of stream (EOF exactly
 /// between frames).
 pub fn read_message(input: &mut impl Read, scratch: &mut Vec<u8>) -> io::Result<Option<Message>> {
@@ -501,6 +630,7 @@ mod tests {
             Message::Notice { severity: Severity::Warning, text: "héllo".into() },
             Message::Goodbye { reason: "shutdown".into() },
             Message::Recording { command: "dotnet app.dll".into(), start_unix_ms: 5 },
+            Message::SnapshotEnd,
         ]
     }
 
@@ -541,6 +671,34 @@ mod tests {
         assert_eq!(err.kind(), io::ErrorKind::InvalidData);
         let mut partial = &[1u8, 0][..];
         assert!(read_message(&mut partial, &mut Vec::new()).is_err());
+    }
+
+    #[test]
+    fn commands_round_trip_and_bad_ones_are_refused() {
+        let all =
+            [Command::Detach, Command::SetRate(250), Command::Exceptions(true), Command::ForceGc, Command::SnapshotNow];
+        let mut buf = Vec::new();
+        for c in all {
+            c.encode_into(&mut buf);
+        }
+        let mut input = &buf[..];
+        for c in all {
+            assert_eq!(read_command(&mut input).unwrap(), Some(Ok(c)));
+        }
+        assert_eq!(read_command(&mut input).unwrap(), None);
+        let mut unknown = &[1u8, 0, 0, 0, 0x99][..];
+        assert_eq!(read_command(&mut unknown).unwrap(), Some(Err(DecodeError::UnknownTag(0x99))));
+        let mut huge = &[0xff, 0xff, 0xff, 0x7f][..];
+        assert!(read_command(&mut huge).is_err());
+    }
+
+    #[test]
+    fn attach_requests_round_trip_and_strangers_are_declined() {
+        let req = AttachRequest { socket: "/tmp/x/agent.sock".into(), rate_hz: 100, log: Some("/tmp/a.log".into()) };
+        assert_eq!(AttachRequest::decode(&req.encode()), Some(req));
+        assert_eq!(AttachRequest::decode(b"attach1;detach"), None);
+        assert_eq!(AttachRequest::decode(b"corsnap-attach-v1\nrate=x\nsocket=/s\n"), None);
+        assert_eq!(AttachRequest::decode(b"corsnap-attach-v1\nrate=5\n"), None);
     }
 
     #[test]

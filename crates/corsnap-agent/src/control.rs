@@ -1,0 +1,113 @@
+//! The control thread: obeys the CLI's commands, and takes the agent out of
+//! the process when told to or when the CLI disappears (seed 002).
+//!
+//! Detach, in the seed's order:
+//! 1. shut every way into the library other than the profiling API: stop the
+//!    sampler and *join* it (a stop flag alone could leave a sample in
+//!    flight), hang up the socket; this thread is the last of ours;
+//! 2. call `RequestProfilerDetach`, with an expected completion time taken
+//!    from our longest callback;
+//! 3. return, ending this thread. Linux has no `FreeLibraryAndExitThread`,
+//!    so `ProfilerDetachSucceeded` (which the runtime calls before it
+//!    unloads us, and waits for) joins this thread: by the time the library
+//!    goes, no instruction of it can still be running here.
+
+use std::io;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use corsnap_abi::{event_mask, NativeThread};
+use corsnap_wire::{read_command, Command, Message, Severity};
+
+use crate::{log, Running, MAX_RATE_HZ};
+
+pub fn start(running: Arc<Running>, socket: UnixStream) -> io::Result<NativeThread> {
+    NativeThread::spawn("corsnap-control", move || run(running, socket))
+}
+
+fn notice(severity: Severity, text: String) -> Message {
+    Message::Notice { severity, text }
+}
+
+fn run(running: Arc<Running>, mut socket: UnixStream) {
+    let shared = &running.shared;
+    let why = loop {
+        match read_command(&mut socket) {
+            Ok(Some(Ok(command))) => {
+                if let Some(why) = obey(&running, command) {
+                    break why;
+                }
+            }
+            Ok(Some(Err(e))) => {
+                log::write(format_args!("rejected a malformed command: {e}"));
+                shared.post(notice(Severity::Warning, format!("the agent rejected a malformed command ({e})")));
+            }
+            Ok(None) => break "corsnap went away".to_string(),
+            Err(e) => break format!("the connection to corsnap failed ({e})"),
+        }
+    };
+    if shared.shutting_down.load(Ordering::SeqCst) {
+        // The runtime is exiting and Shutdown is stopping everything.
+        return;
+    }
+    detach(&running, &why);
+}
+
+/// Carries out one command; `Some(reason)` means: detach now.
+fn obey(running: &Running, command: Command) -> Option<String> {
+    let shared = &running.shared;
+    match command {
+        Command::Detach => return Some("corsnap asked the agent to detach".to_string()),
+        Command::SetRate(hz) => {
+            let hz = hz.min(MAX_RATE_HZ);
+            shared.signal.set_rate(hz);
+            shared.post(notice(Severity::Info, format!("sampling rate is now {hz} Hz")));
+        }
+        Command::SnapshotNow => shared.signal.request_snapshot(),
+        Command::ForceGc => {
+            // This thread has never run managed code and is not inside a
+            // callback: the two conditions ForceGC sets.
+            let text = match shared.info.force_gc() {
+                Ok(()) => "forced a garbage collection".to_string(),
+                Err(e) => format!("ForceGC failed: {e}"),
+            };
+            shared.post(notice(Severity::Info, text));
+        }
+        Command::Exceptions(on) => {
+            let mut mask =
+                event_mask::MONITOR_THREADS | event_mask::ENABLE_STACK_SNAPSHOT | event_mask::MONITOR_MODULE_LOADS;
+            if on {
+                mask |= event_mask::MONITOR_EXCEPTIONS;
+            }
+            let text = match shared.info.set_event_mask(mask) {
+                Ok(()) if on => {
+                    shared.exceptions_seen.store(0, Ordering::SeqCst);
+                    shared.watching_exceptions.store(true, Ordering::SeqCst);
+                    "watching exceptions".to_string()
+                }
+                Ok(()) => {
+                    shared.watching_exceptions.store(false, Ordering::SeqCst);
+                    format!("stopped watching exceptions: {} thrown", shared.exceptions_seen.load(Ordering::SeqCst))
+                }
+                Err(e) => format!("cannot change exception monitoring: {e}"),
+            };
+            shared.post(notice(Severity::Info, text));
+        }
+    }
+    None
+}
+
+fn detach(running: &Running, why: &str) {
+    log::write(format_args!("detaching: {why}"));
+    running.stop_sampler(&format!("detached ({why})"));
+    let _ = running.socket.shutdown(std::net::Shutdown::Both);
+    let longest_ms = running.shared.longest_callback_ns.load(Ordering::Relaxed) / 1_000_000;
+    let expected_ms = (longest_ms * 2).clamp(10, 5000) as u32;
+    match running.shared.info.request_profiler_detach(expected_ms) {
+        Ok(()) => log::write(format_args!("RequestProfilerDetach({expected_ms} ms) accepted")),
+        // Detach impossible: everything of ours is already stopped, so the
+        // agent stays loaded but quiet and harmless.
+        Err(e) => log::write(format_args!("cannot detach ({e}); the agent stays loaded, idle")),
+    }
+}
