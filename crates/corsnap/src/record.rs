@@ -11,19 +11,26 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use corsnap_profile::ProfileBuilder;
-use corsnap_wire::{Message, Severity};
+use corsnap_wire::{AttachRequest, Command as AgentCommand, Message, Severity};
 
 use crate::output::{OutputFile, OutputFormat};
-use crate::session::{Event, Listener};
+use crate::session::{AgentConnection, Event, Listener};
 
 /// The agent library's file name, looked for next to the `corsnap` binary.
 pub const AGENT_FILE_NAME: &str = "libcorsnap_agent.so";
 /// Overrides where the agent library is found.
 pub const ENV_AGENT_PATH: &str = "CORSNAP_AGENT";
 
+/// What to record: a program corsnap starts, or a running process.
+#[derive(Debug, Clone)]
+pub enum Target {
+    Launch(Vec<OsString>),
+    Attach(u32),
+}
+
 #[derive(Debug, Clone)]
 pub struct RecordOptions {
-    pub program: Vec<OsString>,
+    pub target: Target,
     pub output: Option<PathBuf>,
     pub format: OutputFormat,
     pub rate_hz: u32,
@@ -35,73 +42,71 @@ pub struct RecordOptions {
     pub stats: bool,
 }
 
+/// The process being recorded, and how it ends.
+enum Process {
+    Child { child: Child, exited: Option<ExitStatus> },
+    Attached { pid: u32 },
+}
+
+impl Process {
+    /// Whether the process has ended (reaping a child that has).
+    fn has_exited(&mut self) -> bool {
+        match self {
+            Process::Child { child, exited } => {
+                if exited.is_none() {
+                    *exited = child.try_wait().ok().flatten();
+                }
+                exited.is_some()
+            }
+            Process::Attached { pid } => !Path::new(&format!("/proc/{pid}")).exists(),
+        }
+    }
+}
+
+/// Installs the Ctrl-C handler once; the flag says whether Ctrl-C was pressed.
+pub fn interrupted_flag() -> Result<Arc<AtomicBool>> {
+    let flag = Arc::new(AtomicBool::new(false));
+    let set = flag.clone();
+    // The program gets the terminal's Ctrl-C too; corsnap only stops recording.
+    ctrlc::set_handler(move || set.store(true, Ordering::SeqCst)).context("installing the Ctrl-C handler")?;
+    Ok(flag)
+}
+
 pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     let agent = find_agent(options.agent_path.as_deref())?;
-    let program = options.program.first().context("no program given: corsnap record -- dotnet app.dll")?;
-    let output_path = options.output.clone().unwrap_or_else(|| default_output_name(program, options.format));
+    let name = match &options.target {
+        Target::Launch(program) => {
+            let first = program.first().context("no program given: corsnap record -- dotnet app.dll")?;
+            Path::new(first).file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "program".into())
+        }
+        Target::Attach(pid) => format!("pid{pid}"),
+    };
+    let output_path = options.output.clone().unwrap_or_else(|| default_output_name(&name, options.format));
+    if let Target::Attach(pid) = options.target {
+        // Find the diagnostics socket before creating anything: a wrong pid
+        // should cost nothing.
+        crate::diagnostics::find_socket(pid)?;
+    }
     let output = OutputFile::create(&output_path)?;
-    let listener = Listener::new()?;
-
-    let interrupted = Arc::new(AtomicBool::new(false));
-    {
-        let flag = interrupted.clone();
-        // The program gets the terminal's Ctrl-C too; we only stop recording.
-        ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst)).context("installing the Ctrl-C handler")?;
-    }
-
-    let mut command = Command::new(program);
-    command
-        .args(&options.program[1..])
-        .env("CORECLR_ENABLE_PROFILING", "1")
-        .env("CORECLR_PROFILER", corsnap_wire::AGENT_CLSID)
-        .env("CORECLR_PROFILER_PATH", &agent)
-        .env(corsnap_wire::ENV_SOCKET, listener.socket_path())
-        .env(corsnap_wire::ENV_RATE, options.rate_hz.to_string());
-    if let Some(log) = &options.agent_log {
-        command.env(corsnap_wire::ENV_LOG, absolute(log));
-    }
-    let mut child = match command.spawn() {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = std::fs::remove_file(&output_path);
-            bail!("cannot run {}: {e}", program.to_string_lossy());
+    let cleanup_output = |e: anyhow::Error| {
+        let _ = std::fs::remove_file(&output_path);
+        e
+    };
+    let listener = Listener::new().map_err(cleanup_output)?;
+    let interrupted = interrupted_flag()?;
+    let (mut process, connection, command_line) = match &options.target {
+        Target::Launch(program) => launch(program, &agent, &listener, options, &interrupted).map_err(cleanup_output)?,
+        Target::Attach(pid) => {
+            let request = AttachRequest {
+                socket: listener.socket_path().to_string_lossy().into_owned(),
+                rate_hz: options.rate_hz,
+                log: options.agent_log.as_deref().map(|p| absolute(p).to_string_lossy().into_owned()),
+            };
+            let connection = attach(*pid, &agent, &listener, &request).map_err(cleanup_output)?;
+            (Process::Attached { pid: *pid }, connection, process_command_line(*pid))
         }
     };
-    let command_line = options.program.iter().map(|a| a.to_string_lossy().into_owned()).collect::<Vec<_>>().join(" ");
     let started = Instant::now();
-
-    let mut exited: Option<ExitStatus> = None;
-    let connection = listener.accept_from(child.id(), || {
-        if interrupted.load(Ordering::SeqCst) {
-            return Some("interrupted before the program loaded the agent".to_string());
-        }
-        match child.try_wait() {
-            Ok(Some(status)) => {
-                exited = Some(status);
-                Some(format!(
-                    "{} exited ({}) without loading the corsnap agent. corsnap profiles .NET programs on \
-                     .NET Core 3.0 or later (e.g. `corsnap record -- dotnet app.dll`); if this is one, check that \
-                     nothing in its environment turns profiling off (CORECLR_ENABLE_PROFILING=0) and that \
-                     {} is readable",
-                    program.to_string_lossy(),
-                    describe_status(status),
-                    agent.display()
-                ))
-            }
-            _ => None,
-        }
-    });
-    let connection = match connection {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = std::fs::remove_file(&output_path);
-            if exited.is_none() {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-            return Err(e);
-        }
-    };
 
     let mut builder = ProfileBuilder::new();
     let recording = Message::Recording { command: command_line, start_unix_ms: unix_ms() };
@@ -112,36 +117,44 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     };
     let mut status = StatusLine::new();
     let mut agent_failed: Option<String> = None;
+    let mut on_message = |msg: &Message, builder: &mut ProfileBuilder, status: &mut StatusLine| {
+        if let Some(raw) = raw.as_mut() {
+            raw.record(msg);
+        }
+        builder.apply(msg);
+        for (severity, text) in builder.take_notices() {
+            status.clear();
+            match severity {
+                Severity::Error => {
+                    eprintln!("corsnap: error: {text}");
+                    agent_failed = Some(text);
+                }
+                Severity::Warning => eprintln!("corsnap: warning: {text}"),
+                Severity::Info => eprintln!("corsnap: {text}"),
+            }
+        }
+    };
 
+    let mut agent_gone = false;
     let stop_reason = loop {
         if let Some(event) = connection.next_event(Duration::from_millis(100)) {
             match event {
                 Event::Message(msg) => {
-                    if let Some(raw) = raw.as_mut() {
-                        raw.record(&msg)?;
-                    }
-                    builder.apply(&msg);
-                    for (severity, text) in builder.take_notices() {
-                        status.clear();
-                        match severity {
-                            Severity::Error => {
-                                eprintln!("corsnap: error: {text}");
-                                agent_failed = Some(text);
-                            }
-                            Severity::Warning => eprintln!("corsnap: warning: {text}"),
-                            Severity::Info => eprintln!("corsnap: {text}"),
-                        }
-                    }
+                    on_message(&msg, &mut builder, &mut status);
                     if let Message::Goodbye { reason } = &msg {
+                        agent_gone = true;
                         break reason.clone();
                     }
                 }
-                Event::Closed(None) => break "the program exited".to_string(),
-                Event::Closed(Some(e)) => break format!("the connection to the agent failed: {e}"),
+                Event::Closed(e) => {
+                    agent_gone = true;
+                    break match e {
+                        None if process.has_exited() => "the program exited".to_string(),
+                        None => "the agent closed the connection".to_string(),
+                        Some(e) => format!("the connection to the agent failed: {e}"),
+                    };
+                }
             }
-        }
-        if exited.is_none() {
-            exited = child.try_wait().ok().flatten();
         }
         if interrupted.load(Ordering::SeqCst) {
             break "interrupted".to_string();
@@ -149,17 +162,45 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
         if options.duration.is_some_and(|d| started.elapsed() >= d) {
             break "duration reached".to_string();
         }
+        if matches!(process, Process::Attached { .. }) && process.has_exited() {
+            // Drain what the agent sent before the process died.
+            while let Some(Event::Message(msg)) = connection.next_event(Duration::from_millis(200)) {
+                on_message(&msg, &mut builder, &mut status);
+            }
+            agent_gone = true;
+            break "the process exited".to_string();
+        }
         status.show(started.elapsed(), builder.sample_count(), builder.thread_count());
     };
+    if !agent_gone {
+        // Ask the agent to leave, and take what it sends on its way out.
+        let _ = connection.send_command(AgentCommand::Detach);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            match connection.next_event(Duration::from_millis(100)) {
+                Some(Event::Message(msg)) => {
+                    let bye = matches!(msg, Message::Goodbye { .. });
+                    on_message(&msg, &mut builder, &mut status);
+                    if bye {
+                        break;
+                    }
+                }
+                Some(Event::Closed(_)) => break,
+                None => {}
+            }
+        }
+    }
     connection.close();
     status.clear();
 
     if !builder.saw_hello() {
         let _ = std::fs::remove_file(&output.path);
         let why = agent_failed.unwrap_or_else(|| format!("the agent stopped before sampling ({stop_reason})"));
-        let code = wait_for(&mut child, exited);
         eprintln!("corsnap: nothing was recorded: {why}");
-        return Ok(code.max_failure());
+        return Ok(match &mut process {
+            Process::Child { child, exited } => wait_for(child, *exited).max_failure(),
+            Process::Attached { .. } => ExitCode::from(2),
+        });
     }
 
     let samples = builder.sample_count();
@@ -183,10 +224,120 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
             options.rate_hz
         );
     }
-    if exited.is_none() && !interrupted.load(Ordering::SeqCst) && options.duration.is_some() {
-        eprintln!("corsnap: recording stopped; waiting for the program to exit");
+    match &mut process {
+        Process::Child { child, exited } => {
+            if exited.is_none() && !interrupted.load(Ordering::SeqCst) && options.duration.is_some() {
+                eprintln!("corsnap: recording stopped; waiting for the program to exit");
+            }
+            Ok(wait_for(child, *exited).into_exit_code())
+        }
+        Process::Attached { .. } => Ok(ExitCode::SUCCESS),
     }
-    Ok(wait_for(&mut child, exited).into_exit_code())
+}
+
+/// Starts `program` with the agent loaded at start-up and waits for it to
+/// connect.
+fn launch(
+    program: &[OsString],
+    agent: &Path,
+    listener: &Listener,
+    options: &RecordOptions,
+    interrupted: &AtomicBool,
+) -> Result<(Process, AgentConnection, String)> {
+    let first = &program[0];
+    let mut command = Command::new(first);
+    command
+        .args(&program[1..])
+        .env("CORECLR_ENABLE_PROFILING", "1")
+        .env("CORECLR_PROFILER", corsnap_wire::AGENT_CLSID)
+        .env("CORECLR_PROFILER_PATH", agent)
+        .env(corsnap_wire::ENV_SOCKET, listener.socket_path())
+        .env(corsnap_wire::ENV_RATE, options.rate_hz.to_string());
+    if let Some(log) = &options.agent_log {
+        command.env(corsnap_wire::ENV_LOG, absolute(log));
+    }
+    let mut child = command.spawn().with_context(|| format!("cannot run {}", first.to_string_lossy()))?;
+    let command_line = program.iter().map(|a| a.to_string_lossy().into_owned()).collect::<Vec<_>>().join(" ");
+    let mut exited = None;
+    let connection = listener.accept_from(child.id(), || {
+        if interrupted.load(Ordering::SeqCst) {
+            return Some("interrupted before the program loaded the agent".to_string());
+        }
+        match child.try_wait() {
+            Ok(Some(status)) => {
+                exited = Some(status);
+                Some(format!(
+                    "{} exited ({}) without loading the corsnap agent. corsnap profiles .NET programs on \
+                     .NET Core 3.0 or later (e.g. `corsnap record -- dotnet app.dll`); if this is one, check that \
+                     nothing in its environment turns profiling off (CORECLR_ENABLE_PROFILING=0) and that \
+                     {} is readable",
+                    first.to_string_lossy(),
+                    describe_status(status),
+                    agent.display()
+                ))
+            }
+            _ => None,
+        }
+    });
+    match connection {
+        Ok(c) => Ok((Process::Child { child, exited: None }, c, command_line)),
+        Err(e) => {
+            if exited.is_none() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Attaches the agent to a running process through its diagnostics socket
+/// and waits for it to connect back.
+pub fn attach(pid: u32, agent: &Path, listener: &Listener, request: &AttachRequest) -> Result<AgentConnection> {
+    let socket = crate::diagnostics::find_socket(pid)?;
+    let client_data = request.encode();
+    let agent_path = agent.to_path_buf();
+    // The runtime answers the attach request only after the agent has
+    // initialised, and the agent connects to us while initialising, so the
+    // request runs on its own thread while this one accepts.
+    let request_thread = std::thread::spawn(move || {
+        crate::diagnostics::attach_profiler(&socket, &agent_path, &client_data, Duration::from_secs(10))
+    });
+    let mut answered: Option<Result<()>> = None;
+    let mut request_thread = Some(request_thread);
+    let connection = listener.accept_from(pid, || {
+        if request_thread.as_ref().is_some_and(|t| t.is_finished()) {
+            let result = request_thread
+                .take()
+                .map(|t| t.join().unwrap_or_else(|_| Err(anyhow::anyhow!("attach thread failed"))));
+            match result {
+                Some(Err(e)) => return Some(format!("{e:#}")),
+                Some(Ok(())) => answered = Some(Ok(())),
+                None => {}
+            }
+        }
+        if answered.is_some() && !Path::new(&format!("/proc/{pid}")).exists() {
+            return Some(format!("process {pid} exited while the agent was loading"));
+        }
+        None
+    })?;
+    if let Some(t) = request_thread {
+        t.join().unwrap_or_else(|_| Err(anyhow::anyhow!("attach thread failed")))?;
+    }
+    Ok(connection)
+}
+
+/// `/proc/PID/cmdline`, for the recording's header.
+pub fn process_command_line(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| {
+            b.split(|&c| c == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_else(|_| format!("pid {pid}"))
 }
 
 /// One line about what sampling cost inside the program.
@@ -251,7 +402,7 @@ fn describe_status(status: ExitStatus) -> String {
     }
 }
 
-fn find_agent(explicit: Option<&Path>) -> Result<PathBuf> {
+pub fn find_agent(explicit: Option<&Path>) -> Result<PathBuf> {
     let candidate = match explicit {
         Some(p) => p.to_path_buf(),
         None => match std::env::var_os(ENV_AGENT_PATH) {
@@ -272,7 +423,7 @@ fn find_agent(explicit: Option<&Path>) -> Result<PathBuf> {
     Ok(absolute(&candidate))
 }
 
-fn absolute(path: &Path) -> PathBuf {
+pub fn absolute(path: &Path) -> PathBuf {
     std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
 }
 
@@ -280,11 +431,9 @@ fn unix_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64
 }
 
-/// `corsnap-app-20261122-204501.svg`: the program's name (the `.dll` for
-/// `dotnet app.dll`) and the local start time.
-fn default_output_name(program: &OsString, format: OutputFormat) -> PathBuf {
-    let name =
-        Path::new(program).file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "program".into());
+/// `corsnap-dotnet-1795381103.svg`: the program's name (or `pid1234`) and
+/// the start time.
+fn default_output_name(name: &str, format: OutputFormat) -> PathBuf {
     PathBuf::from(format!("corsnap-{name}-{}.{}", unix_ms() / 1000, format.extension()))
 }
 
@@ -338,9 +487,8 @@ impl RawRecorder {
         Ok(RawRecorder { path, buffer })
     }
 
-    fn record(&mut self, msg: &Message) -> Result<()> {
+    fn record(&mut self, msg: &Message) {
         msg.encode_into(&mut self.buffer);
-        Ok(())
     }
 
     fn finish(self, output: OutputFile) -> Result<()> {

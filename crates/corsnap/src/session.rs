@@ -118,7 +118,15 @@ impl AgentConnection {
         }
     }
 
-    /// Hangs up: the agent notices at its next write and stops sampling.
+    /// Sends a control command to the agent.
+    pub fn send_command(&self, command: corsnap_wire::Command) -> io::Result<()> {
+        use std::io::Write;
+        let mut buf = Vec::new();
+        command.encode_into(&mut buf);
+        (&self.stream).write_all(&buf)
+    }
+
+    /// Hangs up: the agent notices and detaches itself.
     pub fn close(self) {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
