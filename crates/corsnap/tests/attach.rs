@@ -1,0 +1,350 @@
+//! Attach, record, detach, dump: end to end against a running C# service
+//! under the real .NET 8 runtime.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use support::{compiled, corsnap_bin, count_with, describe, parse_collapsed, scratch, Runtime};
+
+/// A running `service.cs`, killed when dropped.
+struct Service {
+    child: Child,
+    pid: u32,
+    heartbeats: Arc<AtomicU64>,
+}
+
+impl Service {
+    fn start(env: &[(&str, &str)]) -> Service {
+        let dll = compiled("service", Runtime::Net8);
+        let mut cmd = Command::new(Runtime::Net8.dotnet());
+        cmd.arg(&dll).arg("120").stdout(Stdio::piped()).stderr(Stdio::null()).stdin(Stdio::null());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        // Readiness handshake: the service prints its pid once it runs.
+        let ready = lines.next().expect("service printed nothing").unwrap();
+        let pid: u32 =
+            ready.strip_prefix("ready ").unwrap_or_else(|| panic!("unexpected first line {ready:?}")).parse().unwrap();
+        let heartbeats = Arc::new(AtomicU64::new(0));
+        let count = heartbeats.clone();
+        std::thread::spawn(move || {
+            for line in lines.map_while(Result::ok) {
+                if line.starts_with("heartbeat ") {
+                    count.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        });
+        Service { child, pid, heartbeats }
+    }
+
+    fn is_alive(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
+    /// Waits until `n` more heartbeats have arrived: the service still runs
+    /// and its stdout is intact.
+    fn wait_heartbeats(&self, n: u64) {
+        let start = self.heartbeats.load(Ordering::SeqCst);
+        wait_for(Duration::from_secs(10), || self.heartbeats.load(Ordering::SeqCst) >= start + n)
+            .unwrap_or_else(|| panic!("the service stopped beating"));
+    }
+
+    fn agent_mapped(&self) -> bool {
+        std::fs::read_to_string(format!("/proc/{}/maps", self.pid)).unwrap_or_default().contains("libcorsnap_agent")
+    }
+
+    /// Thread names, without the runtime's tiered-compilation worker, which
+    /// comes and goes by itself.
+    fn threads(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", self.pid))
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .map(|n| n.trim().to_string())
+            .filter(|n| n != ".NET Tiered Com")
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// The thread list once it has stopped changing (a runtime starting up,
+    /// or finishing a detach, still creates and names threads).
+    fn settled_threads(&self) -> Vec<String> {
+        let mut last = self.threads();
+        let mut stable_since = Instant::now();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline && stable_since.elapsed() < Duration::from_millis(500) {
+            std::thread::sleep(Duration::from_millis(50));
+            let now = self.threads();
+            if now != last {
+                last = now;
+                stable_since = Instant::now();
+            }
+        }
+        last
+    }
+
+    /// The threads to compare against after a detach. The runtime keeps one
+    /// thread of its own after the first detach (its profiler-detach thread,
+    /// named after the diagnostics thread that started it), so the baseline
+    /// is taken after one attach and detach.
+    fn baseline_after_one_cycle(&self) -> Vec<String> {
+        let out = scratch(&format!("warmup-{}", self.pid)).join("p.txt");
+        let output = corsnap(&[
+            "record",
+            "--pid",
+            &self.pid.to_string(),
+            "-d",
+            "0.2",
+            "-f",
+            "collapsed",
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        self.wait_agent_gone();
+        self.settled_threads()
+    }
+
+    /// Waits until the agent has left: not mapped, no thread of ours.
+    fn wait_agent_gone(&self) {
+        wait_for(Duration::from_secs(10), || {
+            !self.agent_mapped() && !self.threads().iter().any(|t| t.starts_with("corsnap"))
+        })
+        .unwrap_or_else(|| panic!("agent still present: threads {:?}", self.threads()));
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn wait_for(limit: Duration, mut condition: impl FnMut() -> bool) -> Option<()> {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if condition() {
+            return Some(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+fn corsnap(args: &[&str]) -> std::process::Output {
+    Command::new(corsnap_bin()).args(args).output().unwrap()
+}
+
+#[test]
+fn recording_a_running_service_by_pid_finds_its_busy_method_and_leaves_no_trace() {
+    let mut service = Service::start(&[]);
+    let before = service.baseline_after_one_cycle();
+    let dir = scratch("attach-record");
+    let out = dir.join("p.txt");
+    let output = corsnap(&[
+        "record",
+        "--pid",
+        &service.pid.to_string(),
+        "-d",
+        "1.5",
+        "--threads",
+        "-f",
+        "collapsed",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
+    let crunch = count_with(&stacks, "Service.Crunch");
+    assert!(crunch >= 100, "{}", describe(&stacks));
+    let on_cruncher: u64 = stacks
+        .iter()
+        .filter(|s| s.frames[0].starts_with("cruncher tid=") && s.frames.last().unwrap() == "Service.Crunch")
+        .map(|s| s.count)
+        .sum();
+    assert_eq!(on_cruncher, crunch, "the worker's name, given before the attach, is found:\n{}", describe(&stacks));
+    service.wait_agent_gone();
+    service.wait_heartbeats(3);
+    assert!(service.is_alive());
+    assert_eq!(service.settled_threads(), before);
+}
+
+#[test]
+fn twenty_attach_record_detach_cycles_leave_the_process_as_it_was() {
+    let mut service = Service::start(&[]);
+    let before = service.baseline_after_one_cycle();
+    let dir = scratch("attach-cycles");
+    for cycle in 1..=20 {
+        let out = dir.join(format!("p{cycle}.txt"));
+        let output = corsnap(&[
+            "record",
+            "--pid",
+            &service.pid.to_string(),
+            "-d",
+            "0.3",
+            "-r",
+            "200",
+            "-f",
+            "collapsed",
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        assert!(output.status.success(), "cycle {cycle}: {}", String::from_utf8_lossy(&output.stderr));
+        let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
+        assert!(count_with(&stacks, "Service.Crunch") > 0, "cycle {cycle}:\n{}", describe(&stacks));
+        service.wait_agent_gone();
+        assert_eq!(service.settled_threads(), before, "cycle {cycle}");
+        service.wait_heartbeats(1);
+    }
+    assert!(service.is_alive());
+}
+
+#[test]
+fn dump_prints_every_managed_thread_leaf_first() {
+    let service = Service::start(&[]);
+    for json in [false, true] {
+        let mut args = vec!["dump", "--pid"];
+        let pid = service.pid.to_string();
+        args.push(&pid);
+        if json {
+            args.push("--json");
+        }
+        let started = Instant::now();
+        let output = corsnap(&args);
+        let elapsed = started.elapsed();
+        let text = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        assert!(elapsed < Duration::from_secs(1), "dump took {elapsed:?}");
+        if json {
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+            let cruncher =
+                v["threads"].as_array().unwrap().iter().find(|t| t["name"] == "cruncher").expect("cruncher thread");
+            assert_eq!(cruncher["frames"][0]["name"], "Service.Crunch");
+            assert_eq!(cruncher["frames"][1]["name"], "Service.WorkLoop");
+        } else {
+            let lines: Vec<&str> = text.lines().collect();
+            let at = lines
+                .iter()
+                .position(|l| l.starts_with("Thread ") && l.ends_with("\"cruncher\""))
+                .unwrap_or_else(|| panic!("{text}"));
+            assert_eq!(lines[at + 1].trim(), "Service.Crunch (service.dll)", "{text}");
+            assert_eq!(lines[at + 2].trim(), "Service.WorkLoop (service.dll)", "{text}");
+            assert!(text.contains("Service.Main (service.dll)"), "{text}");
+        }
+        service.wait_agent_gone();
+    }
+}
+
+#[test]
+fn a_cli_killed_mid_recording_leaves_the_process_running_and_detached() {
+    let mut service = Service::start(&[]);
+    let before = service.baseline_after_one_cycle();
+    let dir = scratch("attach-sigkill");
+    let log = dir.join("agent.log");
+    let mut cli = Command::new(corsnap_bin())
+        .args(["record", "--pid", &service.pid.to_string(), "-f", "collapsed", "-o"])
+        .arg(dir.join("p.txt"))
+        .arg("--agent-log")
+        .arg(&log)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Readiness: the agent logs once it samples.
+    wait_for(Duration::from_secs(10), || {
+        std::fs::read_to_string(&log).unwrap_or_default().contains("started (attached)")
+    })
+    .expect("agent never started");
+    std::thread::sleep(Duration::from_millis(300));
+    cli.kill().unwrap();
+    cli.wait().unwrap();
+    let killed = Instant::now();
+    service.wait_agent_gone();
+    assert!(killed.elapsed() < Duration::from_secs(3), "detach took {:?}", killed.elapsed());
+    assert!(std::fs::read_to_string(&log).unwrap().contains("detaching: corsnap went away"));
+    service.wait_heartbeats(3);
+    assert!(service.is_alive());
+    assert_eq!(service.settled_threads(), before);
+}
+
+#[test]
+fn recording_stops_and_writes_when_the_process_exits() {
+    let dll = compiled("service", Runtime::Net8);
+    let mut child = Command::new(Runtime::Net8.dotnet()).arg(&dll).arg("1.5").stdout(Stdio::piped()).spawn().unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut first).unwrap();
+    let pid = first.trim().strip_prefix("ready ").unwrap().to_string();
+    let dir = scratch("attach-exit");
+    let out = dir.join("p.txt");
+    let output = corsnap(&["record", "--pid", &pid, "-f", "collapsed", "-o", out.to_str().unwrap()]);
+    let _ = child.wait();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(stderr.contains("the program exited") || stderr.contains("the process exited"), "{stderr}");
+    let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
+    assert!(count_with(&stacks, "Service.Crunch") > 0, "{}", describe(&stacks));
+}
+
+fn assert_fails_with(args: &[&str], expected: &[&str]) {
+    let output = corsnap(args);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "should fail: {args:?}");
+    for e in expected {
+        assert!(
+            stderr.contains(e),
+            "expected {e:?} in:\n{stderr}\n(status {:?}, stdout {})",
+            output.status,
+            String::from_utf8_lossy(&output.stdout)
+        );
+    }
+}
+
+#[test]
+fn attach_errors_say_what_is_wrong() {
+    let dir = scratch("attach-errors");
+    let out = dir.join("p.svg");
+    let out = out.to_str().unwrap();
+    assert_fails_with(&["record", "--pid", "4000000", "-o", out], &["no process with pid 4000000"]);
+    assert!(!Path::new(out).exists());
+
+    let mut sleeper = Command::new("sleep").arg("30").spawn().unwrap();
+    assert_fails_with(&["dump", "--pid", &sleeper.id().to_string()], &["not a .NET"]);
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+
+    let no_diag = Service::start(&[("DOTNET_EnableDiagnostics", "0")]);
+    assert_fails_with(&["record", "--pid", &no_diag.pid.to_string(), "-o", out], &["DOTNET_EnableDiagnostics=0"]);
+    drop(no_diag);
+
+    // A process already profiled (here by corsnap at start-up) cannot take a second profiler.
+    let launched_log = dir.join("launched.log");
+    let dll = compiled("service", Runtime::Net8);
+    let mut launched = Command::new(corsnap_bin())
+        .args(["record", "-f", "collapsed", "-o"])
+        .arg(dir.join("launched.txt"))
+        .arg("--agent-log")
+        .arg(&launched_log)
+        .arg("--")
+        .arg(Runtime::Net8.dotnet())
+        .arg(&dll)
+        .arg("20")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Readiness: the program's own "ready <pid>" line, passed through by corsnap.
+    let mut ready = String::new();
+    BufReader::new(launched.stdout.as_mut().unwrap()).read_line(&mut ready).unwrap();
+    let pid: u32 = ready.trim().strip_prefix("ready ").unwrap_or_else(|| panic!("{ready:?}")).parse().unwrap();
+    assert_fails_with(&["record", "--pid", &pid.to_string(), "-o", out], &["another profiler"]);
+    let _ = Command::new("kill").arg(pid.to_string()).status();
+    let _ = launched.wait();
+}
