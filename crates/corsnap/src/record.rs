@@ -73,6 +73,7 @@ pub fn interrupted_flag() -> Result<Arc<AtomicBool>> {
 }
 
 pub fn run(options: &RecordOptions) -> Result<ExitCode> {
+    let invoked = Instant::now();
     let agent = find_agent(options.agent_path.as_deref())?;
     let name = match &options.target {
         Target::Launch(program) => {
@@ -136,10 +137,14 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     };
 
     let mut agent_gone = false;
+    let mut first_sample: Option<Duration> = None;
     let stop_reason = loop {
         if let Some(event) = connection.next_event(Duration::from_millis(100)) {
             match event {
                 Event::Message(msg) => {
+                    if first_sample.is_none() && matches!(msg, Message::Sample { .. }) {
+                        first_sample = Some(invoked.elapsed());
+                    }
                     on_message(&msg, &mut builder, &mut status);
                     if let Message::Goodbye { reason } = &msg {
                         agent_gone = true;
@@ -172,6 +177,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
         }
         status.show(started.elapsed(), builder.sample_count(), builder.thread_count());
     };
+    let stopped_at = invoked.elapsed();
     if !agent_gone {
         // Ask the agent to leave, and take what it sends on its way out.
         let _ = connection.send_command(AgentCommand::Detach);
@@ -190,6 +196,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
             }
         }
     }
+    let goodbye_at = invoked.elapsed();
     connection.close();
     status.clear();
 
@@ -217,6 +224,14 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     );
     if let (true, Some(stats)) = (options.stats, agent_stats) {
         eprintln!("corsnap: {}", describe_stats(&stats));
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        eprintln!(
+            "corsnap: timing: first sample {:.1} ms after start; recording stopped at {:.1} ms; agent gone from the \
+             connection {:.1} ms later",
+            first_sample.map_or(f64::NAN, ms),
+            ms(stopped_at),
+            ms(goodbye_at) - ms(stopped_at)
+        );
     }
     if samples == 0 {
         eprintln!(

@@ -21,8 +21,13 @@ struct Service {
 
 impl Service {
     fn start(env: &[(&str, &str)]) -> Service {
-        let dll = compiled("service", Runtime::Net8);
-        let mut cmd = Command::new(Runtime::Net8.dotnet());
+        Service::start_on(Runtime::Net8, env)
+    }
+
+    fn start_on(runtime: Runtime, env: &[(&str, &str)]) -> Service {
+        let dll = compiled("service", runtime);
+        let mut cmd = Command::new(runtime.dotnet());
+        cmd.env("DOTNET_SYSTEM_GLOBALIZATION_INVARIANT", "1");
         cmd.arg(&dll).arg("120").stdout(Stdio::piped()).stderr(Stdio::null()).stdin(Stdio::null());
         for (k, v) in env {
             cmd.env(k, v);
@@ -176,6 +181,28 @@ fn recording_a_running_service_by_pid_finds_its_busy_method_and_leaves_no_trace(
     service.wait_heartbeats(3);
     assert!(service.is_alive());
     assert_eq!(service.settled_threads(), before);
+}
+
+#[test]
+fn attach_and_detach_work_on_core31() {
+    let service = Service::start_on(Runtime::Core31, &[]);
+    let out = scratch("attach-31").join("p.txt");
+    let output = corsnap(&[
+        "record",
+        "--pid",
+        &service.pid.to_string(),
+        "-d",
+        "1",
+        "-f",
+        "collapsed",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
+    assert!(count_with(&stacks, "Service.Crunch") >= 50, "{}", describe(&stacks));
+    service.wait_agent_gone();
+    service.wait_heartbeats(2);
 }
 
 #[test]
