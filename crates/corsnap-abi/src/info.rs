@@ -13,6 +13,8 @@ use crate::{check, hr, iid, ClassID, FunctionID, Guid, HResult, HResultError, Md
 /// Slot numbers from `corprof.idl` (IUnknown is 0..2).
 mod slot {
     pub const QUERY_INTERFACE: usize = 0;
+    pub const GET_CLASS_FROM_OBJECT: usize = 3;
+    pub const GET_CURRENT_THREAD_ID: usize = 13;
     pub const GET_CLASS_ID_INFO: usize = 14;
     pub const GET_THREAD_INFO: usize = 12;
     pub const SET_EVENT_MASK: usize = 16;
@@ -218,6 +220,32 @@ impl CorProfilerInfo {
             check(f(self.raw(), thread, &mut os_tid))?;
         }
         Ok(os_tid)
+    }
+
+    /// The class of an object. Valid only inside the callback that handed
+    /// out the `ObjectID` (a collection may move the object afterwards).
+    pub fn get_class_from_object(&self, object: crate::ObjectID) -> HResult<ClassID> {
+        let mut class = 0usize;
+        // SAFETY: GetClassFromObject(ObjectID, ClassID*).
+        unsafe {
+            let f: unsafe extern "C" fn(*mut c_void, usize, *mut ClassID) -> HRESULT =
+                self.method(slot::GET_CLASS_FROM_OBJECT)?;
+            check(f(self.raw(), object, &mut class))?;
+        }
+        Ok(class)
+    }
+
+    /// The calling thread's `ThreadID` (an error on threads the runtime does
+    /// not manage).
+    pub fn get_current_thread_id(&self) -> HResult<ThreadID> {
+        let mut thread = 0usize;
+        // SAFETY: GetCurrentThreadID(ThreadID*).
+        unsafe {
+            let f: unsafe extern "C" fn(*mut c_void, *mut ThreadID) -> HRESULT =
+                self.method(slot::GET_CURRENT_THREAD_ID)?;
+            check(f(self.raw(), &mut thread))?;
+        }
+        Ok(thread)
     }
 
     /// `(module, typedef token)` of a class.

@@ -310,6 +310,10 @@ pub mod event_mask {
     pub const MONITOR_IMMUTABLE: u32 = 0xEE98_CC00;
     /// `COR_PRF_HIGH_MONITOR_EVENT_PIPE`, for `SetEventMask2`'s high word.
     pub const HIGH_MONITOR_EVENT_PIPE: u32 = 0x80;
+    /// `COR_PRF_HIGH_BASIC_GC`: GC start/finish only, without the costly
+    /// moved- and surviving-reference reports of `MONITOR_GC`. Allowed after
+    /// attach.
+    pub const HIGH_BASIC_GC: u32 = 0x10;
 }
 
 /// `COR_PRF_SNAPSHOT_INFO`.

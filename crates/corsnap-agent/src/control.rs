@@ -17,7 +17,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use corsnap_abi::{event_mask, NativeThread};
+use corsnap_abi::NativeThread;
 use corsnap_wire::{read_command, Command, Message, Severity};
 
 use crate::{log, Running, MAX_RATE_HZ};
@@ -75,22 +75,19 @@ fn obey(running: &Running, command: Command) -> Option<String> {
             shared.post(notice(Severity::Info, text));
         }
         Command::Exceptions(on) => {
-            let mut mask =
-                event_mask::MONITOR_THREADS | event_mask::ENABLE_STACK_SNAPSHOT | event_mask::MONITOR_MODULE_LOADS;
+            let was = shared.watching_exceptions.swap(on, Ordering::SeqCst);
             if on {
-                mask |= event_mask::MONITOR_EXCEPTIONS;
+                shared.exceptions_seen.store(0, Ordering::SeqCst);
             }
-            let text = match shared.info.set_event_mask(mask) {
-                Ok(()) if on => {
-                    shared.exceptions_seen.store(0, Ordering::SeqCst);
-                    shared.watching_exceptions.store(true, Ordering::SeqCst);
-                    "watching exceptions".to_string()
-                }
+            let text = match shared.apply_event_mask() {
+                Ok(()) if on => "watching exceptions".to_string(),
                 Ok(()) => {
-                    shared.watching_exceptions.store(false, Ordering::SeqCst);
                     format!("stopped watching exceptions: {} thrown", shared.exceptions_seen.load(Ordering::SeqCst))
                 }
-                Err(e) => format!("cannot change exception monitoring: {e}"),
+                Err(e) => {
+                    shared.watching_exceptions.store(was, Ordering::SeqCst);
+                    format!("cannot change exception monitoring: {e}")
+                }
             };
             shared.post(notice(Severity::Info, text));
         }

@@ -36,11 +36,18 @@ pub struct NameResolver {
     info: CorProfilerInfo,
     modules: HashMap<ModuleID, String>,
     types: HashMap<(ModuleID, MdToken), TypeName>,
+    classes: HashMap<corsnap_abi::ClassID, String>,
 }
 
 impl NameResolver {
     pub fn new(shared: Arc<Shared>) -> Self {
-        NameResolver { info: shared.info, shared, modules: HashMap::new(), types: HashMap::new() }
+        NameResolver {
+            info: shared.info,
+            shared,
+            modules: HashMap::new(),
+            types: HashMap::new(),
+            classes: HashMap::new(),
+        }
     }
 
     pub fn resolve(&mut self, function: FunctionID) -> HResult<FunctionName> {
@@ -62,6 +69,30 @@ impl NameResolver {
         name.push_str(&method.name);
         push_generic_params(&mut name, &method_generics);
         Ok(FunctionName { name, module: module_name })
+    }
+
+    /// A class's display name (an exception's or a loaded class's type),
+    /// cached per `ClassID`; never an error, since it labels a sample.
+    pub fn class_name(&mut self, class: corsnap_abi::ClassID) -> String {
+        if let Some(n) = self.classes.get(&class) {
+            return n.clone();
+        }
+        let name = self.lookup_class(class).unwrap_or_else(|e| format!("[class 0x{class:x}: {e}]"));
+        self.classes.insert(class, name.clone());
+        name
+    }
+
+    fn lookup_class(&mut self, class: corsnap_abi::ClassID) -> HResult<String> {
+        let (module, token) = self.info.get_class_id_info(class)?;
+        if token & 0x00FF_FFFF == 0 {
+            // Arrays and other constructed types have no typedef of their own.
+            return Ok("[array or constructed type]".to_string());
+        }
+        if self.shared.modules.state(module) == Some(ModuleState::Unloading) {
+            return Err(HResultError(hr::CORPROF_E_DATAINCOMPLETE));
+        }
+        let metadata = self.info.get_module_metadata(module)?;
+        Ok(self.type_name(&metadata, module, token, 0)?.display)
     }
 
     fn module_name(&mut self, module: ModuleID) -> String {

@@ -16,7 +16,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use corsnap_abi::{hr, send_all, FunctionID, NativeThread, ThreadID, HRESULT};
-use corsnap_wire::{Message, SamplerStats};
+use corsnap_wire::{EventKind, Message, SampleHead, SamplerStats};
+
+use crate::events::Subject;
 
 use crate::log;
 use crate::names::NameResolver;
@@ -285,15 +287,25 @@ struct SamplerLoop {
     stats: SamplerStats,
     tick_times: TickTimes,
     started: Instant,
+    last_tick: Option<Instant>,
+    /// Each thread's CPU clock at its previous sample.
+    cpu_clock: HashMap<ThreadID, (u32, u64)>,
     rng: u64,
     logged_errors: u32,
+    /// Whether callbacks queue events that need sending.
+    records_events: bool,
+    samples_on_timer: bool,
 }
 
 impl SamplerLoop {
     fn new(shared: Arc<Shared>, channel: Channel) -> Self {
         let names = NameResolver::new(shared.clone());
+        let samples_on_timer = shared.records(EventKind::Cpu) || shared.records(EventKind::Wall);
+        let records_events =
+            [EventKind::Exceptions, EventKind::Gc, EventKind::ClassLoad].iter().any(|&k| shared.records(k));
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
         SamplerLoop {
+            started: shared.epoch,
             shared,
             channel,
             buffers: TickBuffers::new(),
@@ -302,9 +314,12 @@ impl SamplerLoop {
             sent_threads: HashMap::new(),
             stats: SamplerStats::default(),
             tick_times: TickTimes::new(),
-            started: Instant::now(),
+            last_tick: None,
+            cpu_clock: HashMap::new(),
             rng: (seed as u64) | 1,
             logged_errors: 0,
+            records_events,
+            samples_on_timer,
         }
     }
 
@@ -314,30 +329,41 @@ impl SamplerLoop {
         let mut next_stats = Instant::now() + STATS_EVERY;
         let mut next_send = Instant::now();
         let reason = loop {
-            let rate = self.shared.signal.rate();
+            // Without a timer profile (cpu or wall) there is nothing to tick
+            // for; snapshots still work.
+            let rate = if self.samples_on_timer { self.shared.signal.rate() } else { 0 };
             if rate == 0 {
                 next_tick = None;
             } else if next_tick.is_none() {
                 next_tick = Some(Instant::now() + self.jittered_interval(rate));
             }
-            let wake = self.shared.signal.wait(next_tick);
+            // Events queued by callbacks are sent at least this often.
+            let drain_by = Instant::now() + SEND_EVERY;
+            let deadline = match next_tick {
+                Some(t) if self.records_events => Some(t.min(drain_by)),
+                Some(t) => Some(t),
+                None if self.records_events => Some(drain_by),
+                None => None,
+            };
+            let wake = self.shared.signal.wait(deadline);
             if let Some(reason) = wake.stop {
                 break reason;
             }
             let mut send_now = false;
             if wake.snapshot {
-                self.tick();
+                self.tick(true);
                 self.channel.queue(&Message::SnapshotEnd);
                 send_now = true;
             }
             if let Some(due) = next_tick {
                 let now = Instant::now();
                 if now >= due {
-                    self.tick();
+                    self.tick(false);
                     // Behind (a long tick, a descheduled thread): do not burst.
                     next_tick = Some((due + self.jittered_interval(rate)).max(now));
                 }
             }
+            self.publish_events();
             let posted = std::mem::take(&mut *self.shared.outbox.lock().unwrap_or_else(|p| p.into_inner()));
             send_now |= !posted.is_empty();
             for msg in &posted {
@@ -355,6 +381,7 @@ impl SamplerLoop {
                 }
             }
         };
+        self.publish_events();
         log::write(format_args!("sampler stopping: {reason}; {:?}", self.stats));
         self.queue_stats();
         self.channel.queue(&Message::Goodbye { reason });
@@ -392,7 +419,7 @@ impl SamplerLoop {
         interval * permille as u32 / 1000
     }
 
-    fn tick(&mut self) {
+    fn tick(&mut self, snapshot: bool) {
         let info = self.shared.info;
         let t0 = Instant::now();
         if info.suspend_runtime().is_err() {
@@ -419,7 +446,7 @@ impl SamplerLoop {
         self.stats.resume_ns += ns(t3 - t2);
         self.stats.max_tick_ns = self.stats.max_tick_ns.max(ns(t3 - t0));
         self.tick_times.record(ns(t1 - t0), ns(t2 - t1), ns(t3 - t2));
-        self.publish(ns(t1 - self.started));
+        self.publish(ns(t1 - self.started), snapshot);
     }
 
     /// Runs with every managed thread stopped. No locks, no allocation, no
@@ -449,9 +476,16 @@ impl SamplerLoop {
     }
 
     /// After resuming: names, thread identities and samples to the CLI.
-    fn publish(&mut self, time_ns: u64) {
+    /// A snapshot (for `corsnap dump`) is a wall-clock sample of every thread.
+    fn publish(&mut self, time_ns: u64, snapshot: bool) {
         let stacks = std::mem::take(&mut self.buffers.stacks);
-        self.describe_threads(&stacks);
+        let walked: Vec<(ThreadID, u32)> =
+            stacks.iter().filter(|r| r.start != r.end).map(|r| (r.thread, r.os_tid)).collect();
+        self.describe_threads(&walked);
+        let cpu = self.shared.records(EventKind::Cpu) && !snapshot;
+        let wall = self.shared.records(EventKind::Wall) || snapshot;
+        let since_last_tick = self.last_tick.map_or(0, |t| t.elapsed().as_nanos() as u64);
+        self.last_tick = Some(Instant::now());
         for record in &stacks {
             let harmless = record.status >= 0
                 || record.status == hr::E_FAIL // a runtime thread with no managed frames
@@ -470,58 +504,118 @@ impl SamplerLoop {
             if record.start == record.end {
                 continue;
             }
-            self.describe_functions(record.start, record.end);
+            let cpu_weight =
+                if cpu { self.cpu_since_last_sample(record.thread, record.os_tid, since_last_tick) } else { 0 };
+            if cpu_weight == 0 && !wall {
+                // Idle since its last sample: not part of a CPU profile.
+                continue;
+            }
+            for i in record.start..record.end {
+                let function = self.buffers.frames[i] as FunctionID;
+                self.describe_function(function);
+            }
             if record.truncated {
                 self.stats.truncated_stacks += 1;
             }
             self.stats.samples += 1;
             let frames = &self.buffers.frames[record.start..record.end];
-            corsnap_wire::encode_sample(
-                &mut self.channel.pending,
-                time_ns,
-                record.thread as u64,
-                record.truncated,
-                frames,
-            );
+            for (kind, weight) in [(EventKind::Cpu, cpu_weight), (EventKind::Wall, u64::from(wall))] {
+                if weight > 0 {
+                    let head = SampleHead {
+                        time_ns,
+                        thread_id: record.thread as u64,
+                        kind,
+                        weight,
+                        truncated: record.truncated,
+                    };
+                    corsnap_wire::encode_sample(&mut self.channel.pending, &head, "", frames);
+                }
+            }
         }
         self.buffers.stacks = stacks;
     }
 
-    fn describe_functions(&mut self, start: usize, end: usize) {
-        for i in start..end {
-            let function = self.buffers.frames[i] as FunctionID;
-            if function == 0 || !self.sent_functions.insert(function) {
-                continue;
-            }
-            let (name, module) = match self.names.resolve(function) {
-                Ok(n) => {
-                    self.stats.names_resolved += 1;
-                    (n.name, n.module)
-                }
-                Err(e) => {
-                    self.stats.name_failures += 1;
-                    (format!("[unresolved function 0x{function:x}: {e}]"), String::new())
-                }
-            };
-            self.channel.queue(&Message::Function { function_id: function as u64, name, module });
+    /// CPU time `thread` used since its previous sample, from its CPU clock.
+    /// On first sight, its CPU time so far, but no more than one interval.
+    fn cpu_since_last_sample(&mut self, thread: ThreadID, os_tid: u32, interval_ns: u64) -> u64 {
+        let Some(now) = corsnap_abi::thread_cpu_time_ns(os_tid) else { return 0 };
+        match self.cpu_clock.insert(thread, (os_tid, now)) {
+            Some((tid, before)) if tid == os_tid => now.saturating_sub(before),
+            _ => now.min(interval_ns),
         }
     }
 
-    fn describe_threads(&mut self, stacks: &[StackRecord]) {
+    /// Sends what the runtime's callbacks queued: exceptions, class loads,
+    /// collections.
+    fn publish_events(&mut self) {
+        let events = self.shared.events.take();
+        let gcs = self.shared.events.take_gcs();
+        if events.is_empty() && gcs.is_empty() {
+            return;
+        }
+        let mut threads: Vec<(ThreadID, u32)> = events.iter().map(|e| (e.thread, e.os_tid)).collect();
+        threads.sort_unstable();
+        threads.dedup();
+        self.describe_threads(&threads);
+        for event in events {
+            for &function in &event.frames {
+                self.describe_function(function as FunctionID);
+            }
+            let leaf = match &event.subject {
+                Subject::Class(class) => self.names.class_name(*class),
+                Subject::Text(text) => text.clone(),
+            };
+            let head = SampleHead {
+                time_ns: event.time_ns,
+                thread_id: event.thread as u64,
+                kind: event.kind,
+                weight: event.weight,
+                truncated: event.truncated,
+            };
+            corsnap_wire::encode_sample(&mut self.channel.pending, &head, &leaf, &event.frames);
+        }
+        for gc in gcs {
+            self.channel.queue(&Message::Gc {
+                time_ns: gc.time_ns,
+                generation: gc.generation,
+                reason: gc.reason,
+                pause_ns: gc.pause_ns,
+            });
+        }
+    }
+
+    fn describe_function(&mut self, function: FunctionID) {
+        if function == 0 || !self.sent_functions.insert(function) {
+            return;
+        }
+        let (name, module) = match self.names.resolve(function) {
+            Ok(n) => {
+                self.stats.names_resolved += 1;
+                (n.name, n.module)
+            }
+            Err(e) => {
+                self.stats.name_failures += 1;
+                (format!("[unresolved function 0x{function:x}: {e}]"), String::new())
+            }
+        };
+        self.channel.queue(&Message::Function { function_id: function as u64, name, module });
+    }
+
+    /// Tells the CLI about threads it has not heard of, or whose identity
+    /// changed; `threads` pairs each `ThreadID` with its OS thread id as seen
+    /// now (0 if unknown).
+    fn describe_threads(&mut self, threads: &[(ThreadID, u32)]) {
         let mut updates = Vec::new();
         let sent = &self.sent_threads;
-        self.shared.threads.with_entries(
-            stacks.iter().filter(|r| r.start != r.end).map(|r| r.thread),
-            |thread, entry| {
-                let record_tid = stacks.iter().find(|r| r.thread == thread).map_or(0, |r| r.os_tid);
-                let (version, name, registry_tid) =
-                    entry.map_or((0, String::new(), 0), |e| (e.version, e.name.clone(), e.os_tid));
-                let os_tid = if record_tid != 0 { record_tid } else { registry_tid };
-                if sent.get(&thread) != Some(&(version, os_tid)) {
-                    updates.push((thread, version, os_tid, name));
-                }
-            },
-        );
+        self.shared.threads.with_entries(threads.iter().map(|&(t, _)| t), |thread, entry| {
+            let seen_tid = threads.iter().find(|&&(t, _)| t == thread).map_or(0, |&(_, tid)| tid);
+            let (version, name, registry_tid) =
+                entry.map_or((0, String::new(), 0), |e| (e.version, e.name.clone(), e.os_tid));
+            let os_tid = if seen_tid != 0 { seen_tid } else { registry_tid };
+            if sent.get(&thread) != Some(&(version, os_tid)) {
+                updates.push((thread, version, os_tid, name));
+            }
+        });
         for (thread, version, os_tid, mut name) in updates {
             if name.is_empty() && self.shared.attached {
                 // Names given before we attached were never announced to us;

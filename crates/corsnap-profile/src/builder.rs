@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use corsnap_wire::{Message, SamplerStats, Severity};
 
-use crate::{Frame, FrameIdx, FrameKind, Meta, Profile, Sample, Thread, ThreadIdx};
+use crate::{EventKind, Frame, FrameIdx, FrameKind, GcRecord, Meta, Profile, Sample, Thread, ThreadIdx};
 
 /// Frame name for a run of unmanaged frames.
 pub const NATIVE_FRAME: &str = "[native code]";
@@ -60,9 +60,15 @@ impl ProfileBuilder {
                 });
                 self.functions.insert(*function_id, idx);
             }
-            Message::Sample { time_ns, thread_id, truncated, frames } => {
-                self.add_sample(*time_ns, *thread_id, *truncated, frames, 1);
+            Message::Sample { time_ns, thread_id, kind, weight, truncated, leaf, frames } => {
+                self.add_event_sample(*kind, *time_ns, *thread_id, *truncated, leaf, frames, *weight);
             }
+            Message::Gc { time_ns, generation, reason, pause_ns } => self.profile.gcs.push(GcRecord {
+                time_ns: *time_ns,
+                generation: *generation,
+                reason: *reason,
+                pause_ns: *pause_ns,
+            }),
             Message::Stats(stats) => self.profile.meta.stats = Some(*stats),
             Message::Notice { severity, text } => self.notices.push((*severity, text.clone())),
             Message::Goodbye { reason } => self.goodbye = Some(reason.clone()),
@@ -70,10 +76,32 @@ impl ProfileBuilder {
         }
     }
 
-    /// `frames` leaf first, `0` for a run of unmanaged frames.
+    /// A CPU sample: `frames` leaf first, `0` for a run of unmanaged frames.
     pub fn add_sample(&mut self, time_ns: u64, thread_id: u64, truncated: bool, frames: &[u64], weight: u64) {
+        self.add_event_sample(EventKind::Cpu, time_ns, thread_id, truncated, "", frames, weight);
+    }
+
+    /// A sample of any kind; `leaf`, if not empty, goes above the stack.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_event_sample(
+        &mut self,
+        kind: EventKind,
+        time_ns: u64,
+        thread_id: u64,
+        truncated: bool,
+        leaf: &str,
+        frames: &[u64],
+        weight: u64,
+    ) {
         let mut stack = std::mem::take(&mut self.scratch);
         stack.clear();
+        if !leaf.is_empty() {
+            stack.push(self.profile.intern_frame(Frame {
+                name: leaf.to_string(),
+                module: String::new(),
+                kind: FrameKind::Subject,
+            }));
+        }
         for &function_id in frames {
             let idx = match function_id {
                 0 => self.profile.intern_frame(Frame {
@@ -102,7 +130,7 @@ impl ProfileBuilder {
         let stack_idx = self.profile.intern_stack(&stack);
         self.scratch = stack;
         let thread = self.thread_for(thread_id);
-        self.profile.samples.push(Sample { time_ns, thread, stack: stack_idx, weight });
+        self.profile.samples.push(Sample { time_ns, thread, stack: stack_idx, weight, kind });
     }
 
     fn thread_for(&mut self, thread_id: u64) -> ThreadIdx {
@@ -162,9 +190,33 @@ mod tests {
         b.apply(&Message::Thread { thread_id: 10, os_tid: 77, name: "worker".into() });
         b.apply(&Message::Function { function_id: 1, name: "A.Leaf".into(), module: "app.dll".into() });
         b.apply(&Message::Function { function_id: 2, name: "A.Main".into(), module: "app.dll".into() });
-        b.apply(&Message::Sample { time_ns: 1, thread_id: 10, truncated: false, frames: vec![1, 0, 2] });
-        b.apply(&Message::Sample { time_ns: 2, thread_id: 10, truncated: false, frames: vec![1, 0, 2] });
-        b.apply(&Message::Sample { time_ns: 3, thread_id: 99, truncated: true, frames: vec![3] });
+        b.apply(&Message::Sample {
+            time_ns: 1,
+            thread_id: 10,
+            kind: EventKind::Cpu,
+            weight: 1,
+            truncated: false,
+            leaf: String::new(),
+            frames: vec![1, 0, 2],
+        });
+        b.apply(&Message::Sample {
+            time_ns: 2,
+            thread_id: 10,
+            kind: EventKind::Cpu,
+            weight: 1,
+            truncated: false,
+            leaf: String::new(),
+            frames: vec![1, 0, 2],
+        });
+        b.apply(&Message::Sample {
+            time_ns: 3,
+            thread_id: 99,
+            kind: EventKind::Cpu,
+            weight: 1,
+            truncated: true,
+            leaf: String::new(),
+            frames: vec![3],
+        });
         let p = b.finish();
         assert_eq!(p.samples.len(), 3);
         assert_eq!(p.stacks.len(), 2, "identical stacks are interned once");

@@ -11,6 +11,8 @@ pub use builder::ProfileBuilder;
 
 use std::collections::HashMap;
 
+pub use corsnap_wire::EventKind;
+
 /// Index into [`Profile::frames`].
 pub type FrameIdx = u32;
 /// Index into [`Profile::stacks`].
@@ -28,6 +30,9 @@ pub enum FrameKind {
     Unresolved,
     /// Marks a stack the agent cut short at its buffer size.
     Truncated,
+    /// What an event was about, above the stack: an exception's or
+    /// allocation's type, a loaded class, a collection.
+    Subject,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -63,8 +68,19 @@ pub struct Sample {
     pub time_ns: u64,
     pub thread: ThreadIdx,
     pub stack: StackIdx,
-    /// How much this sample counts (1 per tick for wall-clock sampling).
+    /// How much this sample counts, in [`EventKind::unit`]s of its kind.
     pub weight: u64,
+    pub kind: EventKind,
+}
+
+/// One garbage collection, as the agent reported it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GcRecord {
+    pub time_ns: u64,
+    pub generation: u32,
+    /// `COR_PRF_GC_REASON`: 0 other, 1 induced.
+    pub reason: u32,
+    pub pause_ns: u64,
 }
 
 /// What the recording was, for writers that show it.
@@ -87,6 +103,7 @@ pub struct Profile {
     pub stacks: Vec<Vec<FrameIdx>>,
     pub threads: Vec<Thread>,
     pub samples: Vec<Sample>,
+    pub gcs: Vec<GcRecord>,
     frame_index: HashMap<Frame, FrameIdx>,
     stack_index: HashMap<Vec<FrameIdx>, StackIdx>,
     thread_index: HashMap<Thread, ThreadIdx>,
@@ -126,6 +143,22 @@ impl Profile {
         self.threads.push(thread.clone());
         self.thread_index.insert(thread, i);
         i
+    }
+
+    /// The event kinds that have samples, in [`EventKind::ALL`] order.
+    pub fn kinds(&self) -> Vec<EventKind> {
+        let mut kinds: Vec<EventKind> = self.samples.iter().map(|s| s.kind).collect();
+        kinds.sort();
+        kinds.dedup();
+        kinds
+    }
+
+    /// The same profile with only the samples of `kind`: what the
+    /// single-profile formats (collapsed, flame graph, speedscope) write.
+    pub fn only(&self, kind: EventKind) -> Profile {
+        let mut p = self.clone();
+        p.samples.retain(|s| s.kind == kind);
+        p
     }
 
     /// Total weight of all samples.

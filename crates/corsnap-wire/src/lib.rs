@@ -13,7 +13,7 @@ use std::fmt;
 use std::io::{self, Read, Write};
 
 /// Bumped whenever a message changes shape; the CLI refuses other versions.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// No legitimate frame comes near this: a 8192-frame stack is 64 KiB.
 pub const MAX_FRAME_LEN: u32 = 4 * 1024 * 1024;
@@ -93,8 +93,17 @@ pub enum Message {
     /// A `FunctionID` resolved to its readable name, sent once per id.
     Function { function_id: u64, name: String, module: String },
     /// One stack of one thread, leaf first; a `0` frame is a run of unmanaged
-    /// frames.
-    Sample { time_ns: u64, thread_id: u64, truncated: bool, frames: Vec<u64> },
+    /// frames. `leaf`, when not empty, is a frame above the stack (the thrown
+    /// exception's or allocated object's type).
+    Sample {
+        time_ns: u64,
+        thread_id: u64,
+        kind: EventKind,
+        weight: u64,
+        truncated: bool,
+        leaf: String,
+        frames: Vec<u64>,
+    },
     /// The agent's running totals.
     Stats(SamplerStats),
     /// A line for the user (a warning or an explanation of a failure).
@@ -105,7 +114,90 @@ pub enum Message {
     Recording { command: String, start_unix_ms: u64 },
     /// Everything from a requested snapshot has been sent.
     SnapshotEnd,
+    /// One garbage collection: the deepest generation collected, the
+    /// runtime's `COR_PRF_GC_REASON`, and how long it took.
+    Gc { time_ns: u64, generation: u32, reason: u32, pause_ns: u64 },
 }
+
+/// What a sample records; each kind becomes its own profile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum EventKind {
+    /// Timer samples weighted by the CPU time each thread used since its
+    /// previous sample (nanoseconds): idle threads vanish.
+    Cpu = 0,
+    /// Timer samples of every thread, running or not, one per tick.
+    Wall = 1,
+    /// Every exception thrown, with its type as the leaf (exact counts).
+    Exceptions = 2,
+    /// Sampled allocations, with the type as the leaf and bytes as the weight.
+    Alloc = 3,
+    /// Garbage collections, weighted by pause time (nanoseconds).
+    Gc = 4,
+    /// Every class load, with the class as the leaf.
+    ClassLoad = 5,
+}
+
+impl EventKind {
+    pub const ALL: [EventKind; 6] =
+        [EventKind::Cpu, EventKind::Wall, EventKind::Exceptions, EventKind::Alloc, EventKind::Gc, EventKind::ClassLoad];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            EventKind::Cpu => "cpu",
+            EventKind::Wall => "wall",
+            EventKind::Exceptions => "exceptions",
+            EventKind::Alloc => "alloc",
+            EventKind::Gc => "gc",
+            EventKind::ClassLoad => "classload",
+        }
+    }
+
+    /// What a sample's weight counts (pprof's sample type unit).
+    pub fn unit(self) -> &'static str {
+        match self {
+            EventKind::Cpu | EventKind::Gc => "nanoseconds",
+            EventKind::Wall => "samples",
+            EventKind::Exceptions | EventKind::ClassLoad => "count",
+            EventKind::Alloc => "bytes",
+        }
+    }
+
+    pub fn bit(self) -> u32 {
+        1 << self as u32
+    }
+
+    fn from_u8(v: u8) -> Option<EventKind> {
+        EventKind::ALL.get(v as usize).copied()
+    }
+
+    /// A set of kinds as a bit mask, for the environment and attach request.
+    pub fn mask(kinds: &[EventKind]) -> u32 {
+        kinds.iter().fold(0, |m, k| m | k.bit())
+    }
+
+    pub fn from_mask(mask: u32) -> Vec<EventKind> {
+        EventKind::ALL.into_iter().filter(|k| mask & k.bit() != 0).collect()
+    }
+}
+
+impl std::str::FromStr for EventKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        EventKind::ALL.into_iter().find(|k| k.name().eq_ignore_ascii_case(s.trim())).ok_or_else(|| {
+            let names: Vec<_> = EventKind::ALL.iter().map(|k| k.name()).collect();
+            format!("unknown event {s:?}; expected one of: {}", names.join(", "))
+        })
+    }
+}
+
+impl fmt::Display for EventKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Environment variable with the events a launched agent records (a mask).
+pub const ENV_EVENTS: &str = "CORSNAP_EVENTS";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Severity {
@@ -124,6 +216,7 @@ mod tag {
     pub const GOODBYE: u8 = 7;
     pub const RECORDING: u8 = 8;
     pub const SNAPSHOT_END: u8 = 9;
+    pub const GC: u8 = 10;
 }
 
 /// Why bytes could not be turned into a message.
@@ -232,8 +325,15 @@ impl Message {
                 w.str(name);
                 w.str(module);
             }
-            Message::Sample { time_ns, thread_id, truncated, frames } => {
-                encode_sample_fields(&mut w, *time_ns, *thread_id, *truncated, frames);
+            Message::Sample { time_ns, thread_id, kind, weight, truncated, leaf, frames } => {
+                let head = SampleHead {
+                    time_ns: *time_ns,
+                    thread_id: *thread_id,
+                    kind: *kind,
+                    weight: *weight,
+                    truncated: *truncated,
+                };
+                encode_sample_fields(&mut w, &head, leaf, frames);
             }
             Message::Stats(s) => {
                 w.u8(tag::STATS);
@@ -256,6 +356,13 @@ impl Message {
                 w.u64(*start_unix_ms);
             }
             Message::SnapshotEnd => w.u8(tag::SNAPSHOT_END),
+            Message::Gc { time_ns, generation, reason, pause_ns } => {
+                w.u8(tag::GC);
+                w.u64(*time_ns);
+                w.u32(*generation);
+                w.u32(*reason);
+                w.u64(*pause_ns);
+            }
         }
         finish_frame(buf, start);
     }
@@ -277,7 +384,10 @@ impl Message {
             tag::SAMPLE => {
                 let time_ns = r.u64()?;
                 let thread_id = r.u64()?;
+                let kind = EventKind::from_u8(r.u8()?).ok_or(DecodeError::BadValue("event kind"))?;
+                let weight = r.u64()?;
                 let truncated = r.bool()?;
+                let leaf = r.string()?;
                 let count = r.u32()? as usize;
                 if count > r.rest.len() / 8 {
                     return Err(DecodeError::Truncated);
@@ -286,7 +396,7 @@ impl Message {
                 for _ in 0..count {
                     frames.push(r.u64()?);
                 }
-                Message::Sample { time_ns, thread_id, truncated, frames }
+                Message::Sample { time_ns, thread_id, kind, weight, truncated, leaf, frames }
             }
             tag::STATS => {
                 let mut v = [0u64; STATS_FIELDS];
@@ -307,6 +417,7 @@ impl Message {
             tag::GOODBYE => Message::Goodbye { reason: r.string()? },
             tag::RECORDING => Message::Recording { command: r.string()?, start_unix_ms: r.u64()? },
             tag::SNAPSHOT_END => Message::SnapshotEnd,
+            tag::GC => Message::Gc { time_ns: r.u64()?, generation: r.u32()?, reason: r.u32()?, pause_ns: r.u64()? },
             other => return Err(DecodeError::UnknownTag(other)),
         };
         if !r.rest.is_empty() {
@@ -316,21 +427,34 @@ impl Message {
     }
 }
 
-/// Encodes a sample straight from a borrowed frame slice, so the sampler never
+/// The fixed fields of a sample.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SampleHead {
+    pub time_ns: u64,
+    pub thread_id: u64,
+    pub kind: EventKind,
+    pub weight: u64,
+    pub truncated: bool,
+}
+
+/// Encodes a sample straight from borrowed parts, so the sampler never
 /// builds a `Message` (and a `Vec`) per stack.
-pub fn encode_sample(buf: &mut Vec<u8>, time_ns: u64, thread_id: u64, truncated: bool, frames: &[u64]) {
+pub fn encode_sample(buf: &mut Vec<u8>, head: &SampleHead, leaf: &str, frames: &[u64]) {
     let start = buf.len();
     buf.extend_from_slice(&[0; 4]);
     let mut w = Writer::new(buf);
-    encode_sample_fields(&mut w, time_ns, thread_id, truncated, frames);
+    encode_sample_fields(&mut w, head, leaf, frames);
     finish_frame(buf, start);
 }
 
-fn encode_sample_fields(w: &mut Writer<'_>, time_ns: u64, thread_id: u64, truncated: bool, frames: &[u64]) {
+fn encode_sample_fields(w: &mut Writer<'_>, head: &SampleHead, leaf: &str, frames: &[u64]) {
     w.u8(tag::SAMPLE);
-    w.u64(time_ns);
-    w.u64(thread_id);
-    w.u8(u8::from(truncated));
+    w.u64(head.time_ns);
+    w.u64(head.thread_id);
+    w.u8(head.kind as u8);
+    w.u64(head.weight);
+    w.u8(u8::from(head.truncated));
+    w.str(leaf);
     w.u32(frames.len() as u32);
     for f in frames {
         w.u64(*f);
@@ -512,6 +636,8 @@ pub fn read_command(input: &mut impl Read) -> io::Result<Option<Result<Command, 
 pub struct AttachRequest {
     pub socket: String,
     pub rate_hz: u32,
+    /// [`EventKind::mask`] of what to record.
+    pub events: u32,
     pub log: Option<String>,
 }
 
@@ -519,7 +645,7 @@ const ATTACH_MAGIC: &str = "corsnap-attach-v1";
 
 impl AttachRequest {
     pub fn encode(&self) -> Vec<u8> {
-        let mut s = format!("{ATTACH_MAGIC}\nsocket={}\nrate={}\n", self.socket, self.rate_hz);
+        let mut s = format!("{ATTACH_MAGIC}\nsocket={}\nrate={}\nevents={}\n", self.socket, self.rate_hz, self.events);
         if let Some(log) = &self.log {
             s.push_str(&format!("log={log}\n"));
         }
@@ -537,16 +663,17 @@ impl AttachRequest {
         if lines.next()? != ATTACH_MAGIC {
             return None;
         }
-        let (mut socket, mut rate, mut log) = (None, None, None);
+        let (mut socket, mut rate, mut log, mut events) = (None, None, None, None);
         for line in lines {
             match line.split_once('=')? {
                 ("socket", v) if !v.is_empty() => socket = Some(v.to_string()),
                 ("rate", v) => rate = Some(v.parse().ok()?),
+                ("events", v) => events = Some(v.parse().ok()?),
                 ("log", v) => log = Some(v.to_string()),
                 _ => return None,
             }
         }
-        Some(AttachRequest { socket: socket?, rate_hz: rate?, log })
+        Some(AttachRequest { socket: socket?, rate_hz: rate?, events: events?, log })
     }
 }
 
@@ -625,12 +752,21 @@ mod tests {
             },
             Message::Thread { thread_id: 0x7f00_0000_1000, os_tid: 1234, name: "worker-1".into() },
             Message::Function { function_id: 7, name: "Shop.Ledger<T>.Settle".into(), module: "app.dll".into() },
-            Message::Sample { time_ns: 99, thread_id: 1, truncated: true, frames: vec![7, 0, 8] },
+            Message::Sample {
+                time_ns: 99,
+                thread_id: 1,
+                kind: EventKind::Exceptions,
+                weight: 1,
+                truncated: true,
+                leaf: "System.InvalidOperationException".into(),
+                frames: vec![7, 0, 8],
+            },
             Message::Stats(SamplerStats { ticks: 3, max_tick_ns: 9, ..Default::default() }),
             Message::Notice { severity: Severity::Warning, text: "héllo".into() },
             Message::Goodbye { reason: "shutdown".into() },
             Message::Recording { command: "dotnet app.dll".into(), start_unix_ms: 5 },
             Message::SnapshotEnd,
+            Message::Gc { time_ns: 3, generation: 2, reason: 1, pause_ns: 12345 },
         ]
     }
 
@@ -651,9 +787,19 @@ mod tests {
     #[test]
     fn encode_sample_matches_message_encoding() {
         let mut a = Vec::new();
-        encode_sample(&mut a, 1, 2, false, &[3, 4]);
+        let head = SampleHead { time_ns: 1, thread_id: 2, kind: EventKind::Cpu, weight: 5, truncated: false };
+        encode_sample(&mut a, &head, "", &[3, 4]);
         let mut b = Vec::new();
-        Message::Sample { time_ns: 1, thread_id: 2, truncated: false, frames: vec![3, 4] }.encode_into(&mut b);
+        Message::Sample {
+            time_ns: 1,
+            thread_id: 2,
+            kind: EventKind::Cpu,
+            weight: 5,
+            truncated: false,
+            leaf: String::new(),
+            frames: vec![3, 4],
+        }
+        .encode_into(&mut b);
         assert_eq!(a, b);
     }
 
@@ -661,9 +807,13 @@ mod tests {
     fn hostile_input_is_refused_not_trusted() {
         // A sample that claims four billion frames.
         let mut body = vec![tag::SAMPLE];
-        body.extend_from_slice(&[0; 17]);
+        body.extend_from_slice(&[0; 16 + 1 + 8 + 1 + 4]);
         body.extend_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(Message::decode(&body), Err(DecodeError::Truncated));
+        let mut bad_kind = vec![tag::SAMPLE];
+        bad_kind.extend_from_slice(&[0; 16]);
+        bad_kind.push(99);
+        assert_eq!(Message::decode(&bad_kind), Err(DecodeError::BadValue("event kind")));
         assert_eq!(Message::decode(&[200]), Err(DecodeError::UnknownTag(200)));
         assert_eq!(Message::decode(&[]), Err(DecodeError::Truncated));
         let huge = (MAX_FRAME_LEN + 1).to_le_bytes();
@@ -694,11 +844,17 @@ mod tests {
 
     #[test]
     fn attach_requests_round_trip_and_strangers_are_declined() {
-        let req = AttachRequest { socket: "/tmp/x/agent.sock".into(), rate_hz: 100, log: Some("/tmp/a.log".into()) };
+        let req = AttachRequest {
+            socket: "/tmp/x/agent.sock".into(),
+            rate_hz: 100,
+            events: 5,
+            log: Some("/tmp/a.log".into()),
+        };
         assert_eq!(AttachRequest::decode(&req.encode()), Some(req));
         assert_eq!(AttachRequest::decode(b"attach1;detach"), None);
         assert_eq!(AttachRequest::decode(b"corsnap-attach-v1\nrate=x\nsocket=/s\n"), None);
         assert_eq!(AttachRequest::decode(b"corsnap-attach-v1\nrate=5\n"), None);
+        assert_eq!(AttachRequest::decode(b"corsnap-attach-v1\nsocket=/s\nrate=5\n"), None, "events are required");
     }
 
     #[test]

@@ -27,6 +27,7 @@ pub fn run(options: &DumpOptions) -> Result<()> {
         socket: listener.socket_path().to_string_lossy().into_owned(),
         // Sampling stays paused: only the one snapshot is taken.
         rate_hz: 0,
+        events: corsnap_wire::EventKind::Wall.bit(),
         log: options.agent_log.as_ref().map(|p| crate::record::absolute(p).to_string_lossy().into_owned()),
     };
     let connection = crate::record::attach(options.pid, &agent, &listener, &request)?;

@@ -11,9 +11,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use corsnap_profile::ProfileBuilder;
-use corsnap_wire::{AttachRequest, Command as AgentCommand, Message, Severity};
+use corsnap_wire::{AttachRequest, Command as AgentCommand, EventKind, Message, Severity};
 
-use crate::output::{OutputFile, OutputFormat};
+use crate::output::{OutputFile, OutputFormat, Outputs};
 use crate::session::{AgentConnection, Event, Listener};
 
 /// The agent library's file name, looked for next to the `corsnap` binary.
@@ -40,6 +40,61 @@ pub struct RecordOptions {
     pub agent_path: Option<PathBuf>,
     /// Print the agent's own cost (per-tick suspend, walk, resume) at the end.
     pub stats: bool,
+    /// What to record; each kind becomes its own profile.
+    pub events: Vec<EventKind>,
+}
+
+/// Refuses events this version cannot record, before anything starts.
+fn check_events(events: &[EventKind]) -> Result<()> {
+    if events.contains(&EventKind::Alloc) {
+        bail!(
+            "--event alloc is not available in this version of corsnap (allocation sampling through the \
+             runtime's EventPipe AllocationTick is planned); record cpu, wall, exceptions, gc or classload"
+        );
+    }
+    Ok(())
+}
+
+/// The collections, as totals per generation and a list.
+pub fn describe_gcs(gcs: &[corsnap_profile::GcRecord]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let ms = |ns: u64| ns as f64 / 1e6;
+    let _ = writeln!(
+        out,
+        "corsnap: {} garbage collections, {:.2} ms paused in all",
+        gcs.len(),
+        ms(gcs.iter().map(|g| g.pause_ns).sum())
+    );
+    for generation in 0..=2 {
+        let of_gen: Vec<_> = gcs.iter().filter(|g| g.generation == generation).collect();
+        if !of_gen.is_empty() {
+            let total: u64 = of_gen.iter().map(|g| g.pause_ns).sum();
+            let max = of_gen.iter().map(|g| g.pause_ns).max().unwrap_or(0);
+            let _ = writeln!(
+                out,
+                "corsnap:   gen{generation}: {} collections, {:.2} ms total, {:.2} ms longest",
+                of_gen.len(),
+                ms(total),
+                ms(max)
+            );
+        }
+    }
+    for (i, g) in gcs.iter().enumerate().take(50) {
+        let reason = if g.reason == 1 { "induced" } else { "allocation" };
+        let _ = writeln!(
+            out,
+            "corsnap:   #{:<3} at {:>9.3} s  gen{}  {reason:<10}  {:.3} ms",
+            i + 1,
+            g.time_ns as f64 / 1e9,
+            g.generation,
+            ms(g.pause_ns)
+        );
+    }
+    if gcs.len() > 50 {
+        let _ = writeln!(out, "corsnap:   ... and {} more", gcs.len() - 50);
+    }
+    out
 }
 
 /// The process being recorded, and how it ends.
@@ -88,9 +143,10 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
         // should cost nothing.
         crate::diagnostics::find_socket(pid)?;
     }
-    let output = OutputFile::create(&output_path)?;
+    check_events(&options.events)?;
+    let outputs = Outputs::create(&output_path, options.format, &options.events)?;
     let cleanup_output = |e: anyhow::Error| {
-        let _ = std::fs::remove_file(&output_path);
+        outputs.remove_all();
         e
     };
     let listener = Listener::new().map_err(cleanup_output)?;
@@ -101,6 +157,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
             let request = AttachRequest {
                 socket: listener.socket_path().to_string_lossy().into_owned(),
                 rate_hz: options.rate_hz,
+                events: EventKind::mask(&options.events),
                 log: options.agent_log.as_deref().map(|p| absolute(p).to_string_lossy().into_owned()),
             };
             let connection = attach(*pid, &agent, &listener, &request).map_err(cleanup_output)?;
@@ -113,7 +170,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     let recording = Message::Recording { command: command_line, start_unix_ms: unix_ms() };
     builder.apply(&recording);
     let mut raw = match options.format {
-        OutputFormat::Raw => Some(RawRecorder::new(output.path.clone(), &recording)?),
+        OutputFormat::Raw => Some(RawRecorder::new(&recording)?),
         OutputFormat::Rendered(_) => None,
     };
     let mut status = StatusLine::new();
@@ -201,7 +258,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     status.clear();
 
     if !builder.saw_hello() {
-        let _ = std::fs::remove_file(&output.path);
+        outputs.remove_all();
         let why = agent_failed.unwrap_or_else(|| format!("the agent stopped before sampling ({stop_reason})"));
         eprintln!("corsnap: nothing was recorded: {why}");
         return Ok(match &mut process {
@@ -213,15 +270,20 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     let samples = builder.sample_count();
     let threads = builder.thread_count();
     let agent_stats = builder.stats();
-    match (options.format, raw) {
-        (OutputFormat::Raw, Some(raw)) => raw.finish(output)?,
-        (OutputFormat::Rendered(format), _) => output.write_profile(&builder.finish(), format, options.threads)?,
-        (OutputFormat::Raw, None) => unreachable!("raw output always has a recorder"),
+    let paths = outputs.paths();
+    let profile = builder.finish();
+    match raw {
+        Some(raw) => raw.finish(outputs.into_single())?,
+        None => outputs.write(&profile, options.threads)?,
     }
+    let paths: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
     eprintln!(
         "corsnap: wrote {} ({samples} samples from {threads} threads; recording ended: {stop_reason})",
-        output_path.display()
+        paths.join(", ")
     );
+    if options.events.contains(&EventKind::Gc) {
+        eprint!("{}", describe_gcs(&profile.gcs));
+    }
     if let (true, Some(stats)) = (options.stats, agent_stats) {
         eprintln!("corsnap: {}", describe_stats(&stats));
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
@@ -268,6 +330,7 @@ fn launch(
         .env("CORECLR_PROFILER_PATH", agent)
         .env(corsnap_wire::ENV_SOCKET, listener.socket_path())
         .env(corsnap_wire::ENV_RATE, options.rate_hz.to_string());
+    command.env(corsnap_wire::ENV_EVENTS, EventKind::mask(&options.events).to_string());
     if let Some(log) = &options.agent_log {
         command.env(corsnap_wire::ENV_LOG, absolute(log));
     }
@@ -490,16 +553,15 @@ impl StatusLine {
 /// Saves every message as it arrives, so `corsnap report` can render the
 /// recording later in any format.
 struct RawRecorder {
-    path: PathBuf,
     buffer: Vec<u8>,
 }
 
 impl RawRecorder {
-    fn new(path: PathBuf, recording: &Message) -> Result<Self> {
+    fn new(recording: &Message) -> Result<Self> {
         let mut buffer = Vec::new();
         corsnap_wire::write_raw_header(&mut buffer)?;
         recording.encode_into(&mut buffer);
-        Ok(RawRecorder { path, buffer })
+        Ok(RawRecorder { buffer })
     }
 
     fn record(&mut self, msg: &Message) {
@@ -507,9 +569,8 @@ impl RawRecorder {
     }
 
     fn finish(self, output: OutputFile) -> Result<()> {
+        let path = output.path.clone();
         let mut out = output.into_writer();
-        out.write_all(&self.buffer)
-            .and_then(|()| out.flush())
-            .with_context(|| format!("writing {}", self.path.display()))
+        out.write_all(&self.buffer).and_then(|()| out.flush()).with_context(|| format!("writing {}", path.display()))
     }
 }

@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use corsnap_profile::ProfileBuilder;
 use corsnap_wire::{read_message, read_raw_header};
 
-use crate::output::{OutputFile, OutputFormat};
+use crate::output::{OutputFormat, Outputs};
 
 #[derive(Debug, Clone)]
 pub struct ReportOptions {
@@ -26,7 +26,6 @@ pub fn run(options: &ReportOptions) -> Result<()> {
     let file = File::open(&options.input).with_context(|| format!("cannot open {}", options.input.display()))?;
     let mut input = BufReader::new(file);
     read_raw_header(&mut input).with_context(|| format!("reading {}", options.input.display()))?;
-    let output = OutputFile::create(&options.output)?;
     let mut builder = ProfileBuilder::new();
     let mut scratch = Vec::new();
     loop {
@@ -46,7 +45,11 @@ pub fn run(options: &ReportOptions) -> Result<()> {
         }
     }
     let samples = builder.sample_count();
-    output.write_profile(&builder.finish(), format, options.threads)?;
-    eprintln!("corsnap: wrote {} ({samples} samples)", options.output.display());
+    let profile = builder.finish();
+    let kinds = profile.kinds();
+    let outputs = Outputs::create(&options.output, OutputFormat::Rendered(format), &kinds)?;
+    let paths: Vec<String> = outputs.paths().iter().map(|p| p.display().to_string()).collect();
+    outputs.write(&profile, options.threads)?;
+    eprintln!("corsnap: wrote {} ({samples} samples)", paths.join(", "));
     Ok(())
 }

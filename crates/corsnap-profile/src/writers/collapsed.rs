@@ -42,7 +42,7 @@ mod tests {
         let root = profile.intern_frame(managed("Main"));
         let stack = profile.intern_stack(&[leaf, root]);
         let thread = profile.intern_thread(Thread { os_tid: 9, name: "io;pool\r\n".to_string() });
-        profile.samples.push(Sample { time_ns: 0, thread, stack, weight: 4 });
+        profile.samples.push(Sample { time_ns: 0, thread, stack, weight: 4, kind: crate::EventKind::Cpu });
 
         assert_eq!(render(&profile, &WriteOptions::default()), "Main;Parse(a:b) next 4\n");
         let threads = WriteOptions { threads: true, ..WriteOptions::default() };
@@ -55,7 +55,7 @@ mod tests {
         let mut profile = Profile::new(Meta::default());
         let stack = profile.intern_stack(&[]);
         let thread = profile.intern_thread(Thread { os_tid: 9, name: String::new() });
-        profile.samples.push(Sample { time_ns: 0, thread, stack, weight: 2 });
+        profile.samples.push(Sample { time_ns: 0, thread, stack, weight: 2, kind: crate::EventKind::Cpu });
 
         assert_eq!(render(&profile, &WriteOptions::default()), format!("{EMPTY_STACK_FRAME} 2\n"));
         let threads = WriteOptions { threads: true, ..WriteOptions::default() };

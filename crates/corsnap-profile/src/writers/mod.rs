@@ -2,6 +2,7 @@
 
 mod collapsed;
 mod flamegraph;
+mod pprof;
 mod speedscope;
 
 use std::collections::{BTreeMap, HashMap};
@@ -23,6 +24,8 @@ pub enum Format {
     Flamegraph,
     Speedscope,
     Collapsed,
+    /// gzip-compressed pprof protobuf, every event kind as its own sample type.
+    Pprof,
 }
 
 impl Format {
@@ -32,7 +35,14 @@ impl Format {
             Format::Flamegraph => "svg",
             Format::Speedscope => "speedscope.json",
             Format::Collapsed => "txt",
+            Format::Pprof => "pb.gz",
         }
+    }
+
+    /// Whether one file holds every event kind (pprof's sample types); the
+    /// others hold one profile, so each kind gets a file of its own.
+    pub fn holds_many_kinds(self) -> bool {
+        matches!(self, Format::Pprof)
     }
 
     /// The name the command line accepts.
@@ -41,11 +51,12 @@ impl Format {
             Format::Flamegraph => "flamegraph",
             Format::Speedscope => "speedscope",
             Format::Collapsed => "collapsed",
+            Format::Pprof => "pprof",
         }
     }
 
     pub fn all() -> &'static [Format] {
-        &[Format::Flamegraph, Format::Speedscope, Format::Collapsed]
+        &[Format::Flamegraph, Format::Speedscope, Format::Collapsed, Format::Pprof]
     }
 }
 
@@ -97,6 +108,7 @@ pub fn writer_for(format: Format) -> Box<dyn ProfileWriter> {
         Format::Flamegraph => Box::new(FlamegraphWriter),
         Format::Speedscope => Box::new(SpeedscopeWriter),
         Format::Collapsed => Box::new(CollapsedWriter),
+        Format::Pprof => Box::new(pprof::PprofWriter),
     }
 }
 
