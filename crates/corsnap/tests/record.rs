@@ -212,7 +212,7 @@ fn duration_stops_recording_while_the_program_runs_on() {
     let out = dir.join("p.txt");
     let started = std::time::Instant::now();
     let output =
-        record(Runtime::Net8, "split", &["3"], &["-f", "collapsed", "-d", "1", "-o", out.to_str().unwrap()], None);
+        record(Runtime::Net8, "split", &["3"], &["-f", "collapsed", "-e", "wall", "-d", "1", "-o", out.to_str().unwrap()], None);
     assert!(output.status.success());
     assert!(started.elapsed().as_secs_f64() >= 2.5, "corsnap waits for the program to exit");
     let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
@@ -220,3 +220,60 @@ fn duration_stops_recording_while_the_program_runs_on() {
     assert!((50..=150).contains(&samples), "about 1 s at 100 Hz, got {samples}");
     assert!(String::from_utf8_lossy(&output.stdout).starts_with("done "), "program ran to its end");
 }
+
+#[test]
+fn cpu_profiles_leave_out_sleeping_threads_that_wall_profiles_show() {
+    let dir = scratch("cpu-vs-wall");
+    let out = dir.join("p.txt");
+    let output = record(Runtime::Net8, "sleeper", &["2"], &["-f", "collapsed", "--threads", "-e", "cpu", "-e", "wall", "-o", out.to_str().unwrap()], None);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let read = |kind: &str| parse_collapsed(&std::fs::read_to_string(dir.join(format!("p.{kind}.txt"))).unwrap());
+    let (cpu, wall) = (read("cpu"), read("wall"));
+    let on = |stacks: &[support::Stack], thread: &str| -> u64 {
+        stacks.iter().filter(|s| s.frames[0].starts_with(&format!("{thread} tid="))).map(|s| s.count).sum()
+    };
+    // Wall: both threads, every tick.
+    let (wall_spin, wall_sleep) = (on(&wall, "spinner"), on(&wall, "sleeper"));
+    assert!(wall_spin >= 150 && wall_sleep >= 150, "spinner {wall_spin}, sleeper {wall_sleep}:\n{}", describe(&wall));
+    assert!(count_with(&wall, "System.Threading.Thread.Sleep") >= 150, "{}", describe(&wall));
+    // CPU: nanoseconds of CPU time; the sleeper's share is next to nothing.
+    let (cpu_spin, cpu_sleep) = (on(&cpu, "spinner"), on(&cpu, "sleeper"));
+    assert!(cpu_spin >= 1_000_000_000, "the spinner used most of 2 s of CPU: {cpu_spin} ns");
+    assert!(cpu_sleep * 50 < cpu_spin, "sleeper {cpu_sleep} ns vs spinner {cpu_spin} ns:\n{}", describe(&cpu));
+}
+
+#[test]
+fn exceptions_are_counted_exactly_with_their_type_as_the_leaf() {
+    let dir = scratch("exceptions");
+    let out = dir.join("p.txt");
+    let output = record(Runtime::Net8, "throws", &[], &["-f", "collapsed", "-e", "exceptions", "-e", "gc", "-e", "classload", "-o", out.to_str().unwrap()], None);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let exceptions = parse_collapsed(&std::fs::read_to_string(dir.join("p.exceptions.txt")).unwrap());
+    let first: u64 = exceptions
+        .iter()
+        .filter(|s| s.frames.ends_with(&["Faults.Thrower.First".to_string(), "System.InvalidOperationException".to_string()]))
+        .map(|s| s.count)
+        .sum();
+    let second: u64 = exceptions
+        .iter()
+        .filter(|s| s.frames.ends_with(&["Faults.Thrower.Second".to_string(), "System.ArgumentException".to_string()]))
+        .map(|s| s.count)
+        .sum();
+    assert_eq!((first, second), (1000, 500), "{}", describe(&exceptions));
+    assert_eq!(exceptions.iter().map(|s| s.count).sum::<u64>(), 1500, "no other exceptions:\n{}", describe(&exceptions));
+
+    // Four induced collections from Main (three gen2, one gen0), with their stacks.
+    let gcs = parse_collapsed(&std::fs::read_to_string(dir.join("p.gc.txt")).unwrap());
+    let induced: Vec<_> = gcs.iter().filter(|s| s.frames.iter().any(|f| f == "System.GC.Collect")).collect();
+    assert!(induced.iter().any(|s| s.frames.last().unwrap() == "[gen2 GC, induced]"), "{}", describe(&gcs));
+    assert!(induced.iter().any(|s| s.frames.last().unwrap() == "[gen0 GC, induced]"), "{}", describe(&gcs));
+    assert!(stderr.contains("garbage collections"), "{stderr}");
+    assert!(stderr.contains("gen2: 3 collections"), "{stderr}");
+
+    // The program's own class is loaded once, with the loading stack.
+    let loads = parse_collapsed(&std::fs::read_to_string(dir.join("p.classload.txt")).unwrap());
+    let payload: Vec<_> = loads.iter().filter(|s| s.frames.last().unwrap() == "Faults.Payload").collect();
+    assert_eq!(payload.iter().map(|s| s.count).sum::<u64>(), 1, "{}", describe(&loads));
+}
+
