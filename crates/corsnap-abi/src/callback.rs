@@ -51,6 +51,17 @@ pub trait ProfilerCallbacks: Send + Sync + Sized + 'static {
     fn exception_thrown(&self, _object: ObjectID) {}
     fn garbage_collection_started(&self, _generations: &[bool], _reason: u32) {}
     fn garbage_collection_finished(&self) {}
+    /// An event of our in-process EventPipe session (Callback10), with the
+    /// writing thread's stack as instruction pointers, leaf first.
+    fn event_pipe_event_delivered(
+        &self,
+        _event_id: u32,
+        _version: u32,
+        _payload: &[u8],
+        _thread: ThreadID,
+        _stack: &[usize],
+    ) {
+    }
 }
 
 #[repr(C)]
@@ -243,7 +254,21 @@ pub struct CallbackVtbl {
     /// slot 94: `DynamicMethodUnloaded`
     pub dynamic_method_unloaded: Ignored,
     /// slot 95: `EventPipeEventDelivered`
-    pub event_pipe_event_delivered: Ignored,
+    pub event_pipe_event_delivered: unsafe extern "C" fn(
+        *mut c_void,
+        usize,
+        u32,
+        u32,
+        u32,
+        *const u8,
+        u32,
+        *const u8,
+        *const Guid,
+        *const Guid,
+        ThreadID,
+        u32,
+        *const usize,
+    ) -> HRESULT,
     /// slot 96: `EventPipeProviderCreated`
     pub event_pipe_provider_created: Ignored,
     /// slot 97: `LoadAsNotificationOnly`
@@ -269,6 +294,7 @@ const _: () = {
     assert!(offset_of!(CallbackVtbl, profiler_attach_complete) == 81 * 8);
     assert!(offset_of!(CallbackVtbl, profiler_detach_succeeded) == 82 * 8);
     assert!(offset_of!(CallbackVtbl, load_as_notification_only) == 97 * 8);
+    assert!(offset_of!(CallbackVtbl, event_pipe_event_delivered) == 95 * 8);
 };
 
 /// The COM object: a vtable pointer first, as the runtime expects, then our
@@ -379,7 +405,7 @@ impl<T: ProfilerCallbacks> VtableFor<T> {
         dynamic_method_jit_compilation_started: tramp::ignored,
         dynamic_method_jit_compilation_finished: tramp::ignored,
         dynamic_method_unloaded: tramp::ignored,
-        event_pipe_event_delivered: tramp::ignored,
+        event_pipe_event_delivered: tramp::event_pipe_event_delivered::<T>,
         event_pipe_provider_created: tramp::ignored,
         load_as_notification_only: tramp::load_as_notification_only,
     };
@@ -519,6 +545,40 @@ mod tramp {
     simple!(thread_destroyed(t: ThreadID) => |p| p.thread_destroyed(t));
     simple!(thread_assigned_to_os_thread(t: ThreadID, os: u32) => |p| p.thread_assigned_to_os_thread(t, os));
     simple!(exception_thrown(o: ObjectID) => |p| p.exception_thrown(o));
+
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe extern "C" fn event_pipe_event_delivered<T: ProfilerCallbacks>(
+        this: *mut c_void,
+        _provider: usize,
+        event_id: u32,
+        version: u32,
+        _metadata_len: u32,
+        _metadata: *const u8,
+        payload_len: u32,
+        payload: *const u8,
+        _activity: *const Guid,
+        _related_activity: *const Guid,
+        thread: ThreadID,
+        frame_count: u32,
+        frames: *const usize,
+    ) -> HRESULT {
+        unit(|| {
+            let payload: &[u8] = if payload.is_null() {
+                &[]
+            } else {
+                // SAFETY: the runtime passes `payload_len` bytes, valid for the call.
+                unsafe { std::slice::from_raw_parts(payload, payload_len as usize) }
+            };
+            let stack: &[usize] = if frames.is_null() {
+                &[]
+            } else {
+                // SAFETY: the runtime passes `frame_count` IPs, valid for the call.
+                unsafe { std::slice::from_raw_parts(frames, frame_count as usize) }
+            };
+            // SAFETY: see `object`.
+            unsafe { object::<T>(this) }.inner.event_pipe_event_delivered(event_id, version, payload, thread, stack)
+        })
+    }
 
     pub unsafe extern "C" fn thread_name_changed<T: ProfilerCallbacks>(
         this: *mut c_void,

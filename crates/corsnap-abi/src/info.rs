@@ -15,6 +15,9 @@ mod slot {
     pub const QUERY_INTERFACE: usize = 0;
     pub const GET_CLASS_FROM_OBJECT: usize = 3;
     pub const GET_CURRENT_THREAD_ID: usize = 13;
+    pub const GET_FUNCTION_FROM_IP: usize = 7;
+    pub const EVENT_PIPE_START_SESSION: usize = 101;
+    pub const EVENT_PIPE_STOP_SESSION: usize = 103;
     pub const GET_CLASS_ID_INFO: usize = 14;
     pub const GET_THREAD_INFO: usize = 12;
     pub const SET_EVENT_MASK: usize = 16;
@@ -46,6 +49,8 @@ const _: () = {
     assert!(slot::SET_EVENT_MASK2 == INFO_VTABLE_LEN[3] + 1); // second of Info5
     assert!(slot::SUSPEND_RUNTIME == INFO_VTABLE_LEN[9] - 2); // last two of Info10
     assert!(slot::RESUME_RUNTIME == INFO_VTABLE_LEN[9] - 1);
+    assert!(slot::EVENT_PIPE_START_SESSION == INFO_VTABLE_LEN[10]); // first of Info12
+    assert!(slot::EVENT_PIPE_STOP_SESSION == INFO_VTABLE_LEN[10] + 2);
 };
 
 /// What `GetRuntimeInformation` says.
@@ -233,6 +238,61 @@ impl CorProfilerInfo {
             check(f(self.raw(), object, &mut class))?;
         }
         Ok(class)
+    }
+
+    /// The managed function containing `ip`, or an error for code the
+    /// runtime does not manage.
+    pub fn get_function_from_ip(&self, ip: usize) -> HResult<FunctionID> {
+        let mut function = 0usize;
+        // SAFETY: GetFunctionFromIP(LPCBYTE, FunctionID*).
+        unsafe {
+            let f: unsafe extern "C" fn(*mut c_void, usize, *mut FunctionID) -> HRESULT =
+                self.method(slot::GET_FUNCTION_FROM_IP)?;
+            check(f(self.raw(), ip, &mut function))?;
+        }
+        Ok(function)
+    }
+
+    /// Starts an in-process EventPipe session (Info12, .NET 5+) whose events
+    /// arrive through `ICorProfilerCallback10::EventPipeEventDelivered`.
+    /// `providers`: (name, keywords, level).
+    pub fn event_pipe_start_session(&self, providers: &[(&str, u64, u32)]) -> HResult<u64> {
+        #[repr(C)]
+        struct ProviderConfig {
+            name: *const u16,
+            keywords: u64,
+            level: u32,
+            filter_data: *const u16,
+        }
+        const _: () = assert!(std::mem::size_of::<ProviderConfig>() == 32);
+        let names: Vec<Vec<u16>> = providers.iter().map(|(n, _, _)| n.encode_utf16().chain([0]).collect()).collect();
+        let configs: Vec<ProviderConfig> = providers
+            .iter()
+            .zip(&names)
+            .map(|(&(_, keywords, level), name)| ProviderConfig {
+                name: name.as_ptr(),
+                keywords,
+                level,
+                filter_data: std::ptr::null(),
+            })
+            .collect();
+        let mut session = 0u64;
+        // SAFETY: EventPipeStartSession(UINT32, COR_PRF_EVENTPIPE_PROVIDER_CONFIG[],
+        // BOOL requestRundown, EVENTPIPE_SESSION*); the names outlive the call.
+        unsafe {
+            type F = unsafe extern "C" fn(*mut c_void, u32, *const ProviderConfig, i32, *mut u64) -> HRESULT;
+            let f: F = self.method(slot::EVENT_PIPE_START_SESSION)?;
+            check(f(self.raw(), configs.len() as u32, configs.as_ptr(), 0, &mut session))?;
+        }
+        Ok(session)
+    }
+
+    pub fn event_pipe_stop_session(&self, session: u64) -> HResult<()> {
+        // SAFETY: EventPipeStopSession(EVENTPIPE_SESSION).
+        unsafe {
+            let f: unsafe extern "C" fn(*mut c_void, u64) -> HRESULT = self.method(slot::EVENT_PIPE_STOP_SESSION)?;
+            check(f(self.raw(), session))
+        }
     }
 
     /// The calling thread's `ThreadID` (an error on threads the runtime does

@@ -97,6 +97,7 @@ fn obey(running: &Running, command: Command) -> Option<String> {
 
 fn detach(running: &Running, why: &str) {
     log::write(format_args!("detaching: {why}"));
+    crate::stop_allocation_sampling(&running.shared);
     running.stop_sampler(&format!("detached ({why})"));
     let _ = running.socket.shutdown(std::net::Shutdown::Both);
     let longest_ms = running.shared.longest_callback_ns.load(Ordering::Relaxed) / 1_000_000;

@@ -21,11 +21,63 @@ const MAX_PENDING: usize = 200_000;
 /// Frames kept per event stack.
 const MAX_EVENT_FRAMES: usize = 1024;
 
+/// `GCAllocationTick`'s event id in the `Microsoft-Windows-DotNETRuntime` provider.
+pub const GC_ALLOCATION_TICK: u32 = 10;
+
+/// The parts of a `GCAllocationTick_V2..V4` payload corsnap uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllocationTick {
+    /// Bytes allocated since the previous tick (about 100 KB).
+    pub bytes: u64,
+    /// The allocated type's `TypeHandle`, which is its `ClassID`.
+    pub class: ClassID,
+    /// The runtime's short name for it (`Node`, `System.Byte[]`).
+    pub type_name: String,
+}
+
+impl AllocationTick {
+    /// Layout: u32 AllocationAmount, u32 AllocationKind, u16 ClrInstanceID,
+    /// u64 AllocationAmount64, pointer TypeID, NUL-terminated UTF-16
+    /// TypeName, then fields corsnap does not read.
+    pub fn parse(payload: &[u8]) -> Option<AllocationTick> {
+        let amount = payload.get(10..18)?;
+        let bytes = u64::from_le_bytes(amount.try_into().ok()?);
+        let class = u64::from_le_bytes(payload.get(18..26)?.try_into().ok()?) as ClassID;
+        let name_bytes = payload.get(26..)?;
+        let units: Vec<u16> = name_bytes
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .take_while(|&u| u != 0)
+            .take(4096)
+            .collect();
+        let type_name = String::from_utf16_lossy(&units);
+        let type_name = if type_name.is_empty() { "[unknown type]".into() } else { type_name };
+        Some(AllocationTick { bytes, class, type_name })
+    }
+}
+
+/// Turns EventPipe's instruction pointers (leaf first) into `FunctionID`s,
+/// with each run of unmanaged code as one 0, as `DoStackSnapshot` reports it.
+pub fn functions_of_ips(info: &CorProfilerInfo, ips: &[usize]) -> (Vec<u64>, bool) {
+    let mut frames = Vec::with_capacity(ips.len().min(MAX_EVENT_FRAMES));
+    for &ip in ips.iter().take(MAX_EVENT_FRAMES) {
+        let function = info.get_function_from_ip(ip).unwrap_or(0) as u64;
+        if function == 0 && frames.last() == Some(&0) {
+            continue;
+        }
+        frames.push(function);
+    }
+    (frames, ips.len() > MAX_EVENT_FRAMES)
+}
+
 /// What an event was about.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Subject {
     Class(ClassID),
     Text(String),
+    /// A class, named by its metadata where it has a definition of its own,
+    /// else by the runtime's name for it (arrays, generic instances).
+    ClassOr(ClassID, String),
 }
 
 #[derive(Debug)]
@@ -162,5 +214,28 @@ impl EventQueue {
             reason: gc.reason,
             pause_ns,
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocation_tick_payloads_are_read_and_bad_ones_refused() {
+        let mut payload = Vec::new();
+        payload.extend_from_slice(&100_000u32.to_le_bytes());
+        payload.extend_from_slice(&0u32.to_le_bytes());
+        payload.extend_from_slice(&7u16.to_le_bytes());
+        payload.extend_from_slice(&102_400u64.to_le_bytes());
+        payload.extend_from_slice(&0xdead_beefu64.to_le_bytes());
+        for u in "System.Byte[]".encode_utf16().chain([0]) {
+            payload.extend_from_slice(&u.to_le_bytes());
+        }
+        payload.extend_from_slice(&[1, 2, 3, 4]);
+        let tick = AllocationTick::parse(&payload).unwrap();
+        assert_eq!(tick, AllocationTick { bytes: 102_400, class: 0xdead_beef, type_name: "System.Byte[]".into() });
+        assert_eq!(AllocationTick::parse(&payload[..12]), None);
+        assert_eq!(AllocationTick::parse(&payload[..26]).unwrap().type_name, "[unknown type]");
     }
 }

@@ -301,8 +301,9 @@ impl SamplerLoop {
     fn new(shared: Arc<Shared>, channel: Channel) -> Self {
         let names = NameResolver::new(shared.clone());
         let samples_on_timer = shared.records(EventKind::Cpu) || shared.records(EventKind::Wall);
-        let records_events =
-            [EventKind::Exceptions, EventKind::Gc, EventKind::ClassLoad].iter().any(|&k| shared.records(k));
+        let records_events = [EventKind::Exceptions, EventKind::Gc, EventKind::ClassLoad, EventKind::Alloc]
+            .iter()
+            .any(|&k| shared.records(k));
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
         SamplerLoop {
             started: shared.epoch,
@@ -564,6 +565,14 @@ impl SamplerLoop {
             let leaf = match &event.subject {
                 Subject::Class(class) => self.names.class_name(*class),
                 Subject::Text(text) => text.clone(),
+                Subject::ClassOr(class, fallback) => {
+                    let name = self.names.class_name(*class);
+                    if name.starts_with('[') {
+                        fallback.clone()
+                    } else {
+                        name
+                    }
+                }
             };
             let head = SampleHead {
                 time_ns: event.time_ns,

@@ -80,9 +80,15 @@ fn representative_profile() -> Profile {
 }
 
 fn render(profile: &Profile, format: Format, options: &WriteOptions) -> String {
+    String::from_utf8(render_bytes(profile, format, options))
+        .unwrap_or_else(|e| panic!("{format} output is not UTF-8: {e}"))
+}
+
+/// For binary formats (pprof is gzip-compressed protobuf).
+fn render_bytes(profile: &Profile, format: Format, options: &WriteOptions) -> Vec<u8> {
     let mut out = Vec::new();
     writer_for(format).write(profile, options, &mut out).unwrap_or_else(|e| panic!("{format} writer failed: {e}"));
-    String::from_utf8(out).unwrap_or_else(|e| panic!("{format} output is not UTF-8: {e}"))
+    out
 }
 
 fn with_threads() -> WriteOptions {
@@ -188,7 +194,19 @@ fn speedscope_profiles_pair_every_sample_with_a_weight() {
 fn every_format_renders_an_empty_profile() {
     let profile = Profile::new(Meta::default());
     for &format in Format::all() {
-        render(&profile, format, &WriteOptions::default());
+        assert!(!render_bytes(&profile, format, &WriteOptions::default()).is_empty() || format == Format::Collapsed);
     }
     assert_eq!(render(&profile, Format::Collapsed, &with_threads()), "");
+}
+
+/// pprof's content is checked by the writer's own tests, which can decode
+/// it; here, that it is gzip and that the same profile gives the same bytes.
+#[test]
+fn pprof_is_repeatable_gzip() {
+    let profile = representative_profile();
+    for options in [WriteOptions::default(), with_threads()] {
+        let bytes = render_bytes(&profile, Format::Pprof, &options);
+        assert_eq!(bytes[..2], [0x1f, 0x8b], "gzip magic");
+        assert_eq!(bytes, render_bytes(&profile, Format::Pprof, &options), "pprof must be repeatable");
+    }
 }

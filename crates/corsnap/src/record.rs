@@ -44,17 +44,6 @@ pub struct RecordOptions {
     pub events: Vec<EventKind>,
 }
 
-/// Refuses events this version cannot record, before anything starts.
-fn check_events(events: &[EventKind]) -> Result<()> {
-    if events.contains(&EventKind::Alloc) {
-        bail!(
-            "--event alloc is not available in this version of corsnap (allocation sampling through the \
-             runtime's EventPipe AllocationTick is planned); record cpu, wall, exceptions, gc or classload"
-        );
-    }
-    Ok(())
-}
-
 /// The collections, as totals per generation and a list.
 pub fn describe_gcs(gcs: &[corsnap_profile::GcRecord]) -> String {
     use std::fmt::Write as _;
@@ -143,7 +132,6 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
         // should cost nothing.
         crate::diagnostics::find_socket(pid)?;
     }
-    check_events(&options.events)?;
     let outputs = Outputs::create(&output_path, options.format, &options.events)?;
     let cleanup_output = |e: anyhow::Error| {
         outputs.remove_all();

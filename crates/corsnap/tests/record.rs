@@ -211,8 +211,13 @@ fn duration_stops_recording_while_the_program_runs_on() {
     let dir = scratch("duration");
     let out = dir.join("p.txt");
     let started = std::time::Instant::now();
-    let output =
-        record(Runtime::Net8, "split", &["3"], &["-f", "collapsed", "-e", "wall", "-d", "1", "-o", out.to_str().unwrap()], None);
+    let output = record(
+        Runtime::Net8,
+        "split",
+        &["3"],
+        &["-f", "collapsed", "-e", "wall", "-d", "1", "-o", out.to_str().unwrap()],
+        None,
+    );
     assert!(output.status.success());
     assert!(started.elapsed().as_secs_f64() >= 2.5, "corsnap waits for the program to exit");
     let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
@@ -225,7 +230,13 @@ fn duration_stops_recording_while_the_program_runs_on() {
 fn cpu_profiles_leave_out_sleeping_threads_that_wall_profiles_show() {
     let dir = scratch("cpu-vs-wall");
     let out = dir.join("p.txt");
-    let output = record(Runtime::Net8, "sleeper", &["2"], &["-f", "collapsed", "--threads", "-e", "cpu", "-e", "wall", "-o", out.to_str().unwrap()], None);
+    let output = record(
+        Runtime::Net8,
+        "sleeper",
+        &["2"],
+        &["-f", "collapsed", "--threads", "-e", "cpu", "-e", "wall", "-o", out.to_str().unwrap()],
+        None,
+    );
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let read = |kind: &str| parse_collapsed(&std::fs::read_to_string(dir.join(format!("p.{kind}.txt"))).unwrap());
     let (cpu, wall) = (read("cpu"), read("wall"));
@@ -246,13 +257,21 @@ fn cpu_profiles_leave_out_sleeping_threads_that_wall_profiles_show() {
 fn exceptions_are_counted_exactly_with_their_type_as_the_leaf() {
     let dir = scratch("exceptions");
     let out = dir.join("p.txt");
-    let output = record(Runtime::Net8, "throws", &[], &["-f", "collapsed", "-e", "exceptions", "-e", "gc", "-e", "classload", "-o", out.to_str().unwrap()], None);
+    let output = record(
+        Runtime::Net8,
+        "throws",
+        &[],
+        &["-f", "collapsed", "-e", "exceptions", "-e", "gc", "-e", "classload", "-o", out.to_str().unwrap()],
+        None,
+    );
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
     let exceptions = parse_collapsed(&std::fs::read_to_string(dir.join("p.exceptions.txt")).unwrap());
     let first: u64 = exceptions
         .iter()
-        .filter(|s| s.frames.ends_with(&["Faults.Thrower.First".to_string(), "System.InvalidOperationException".to_string()]))
+        .filter(|s| {
+            s.frames.ends_with(&["Faults.Thrower.First".to_string(), "System.InvalidOperationException".to_string()])
+        })
         .map(|s| s.count)
         .sum();
     let second: u64 = exceptions
@@ -261,7 +280,12 @@ fn exceptions_are_counted_exactly_with_their_type_as_the_leaf() {
         .map(|s| s.count)
         .sum();
     assert_eq!((first, second), (1000, 500), "{}", describe(&exceptions));
-    assert_eq!(exceptions.iter().map(|s| s.count).sum::<u64>(), 1500, "no other exceptions:\n{}", describe(&exceptions));
+    assert_eq!(
+        exceptions.iter().map(|s| s.count).sum::<u64>(),
+        1500,
+        "no other exceptions:\n{}",
+        describe(&exceptions)
+    );
 
     // Four induced collections from Main (three gen2, one gen0), with their stacks.
     let gcs = parse_collapsed(&std::fs::read_to_string(dir.join("p.gc.txt")).unwrap());
@@ -276,4 +300,3 @@ fn exceptions_are_counted_exactly_with_their_type_as_the_leaf() {
     let payload: Vec<_> = loads.iter().filter(|s| s.frames.last().unwrap() == "Faults.Payload").collect();
     assert_eq!(payload.iter().map(|s| s.count).sum::<u64>(), 1, "{}", describe(&loads));
 }
-
