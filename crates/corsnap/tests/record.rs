@@ -300,3 +300,31 @@ fn exceptions_are_counted_exactly_with_their_type_as_the_leaf() {
     let payload: Vec<_> = loads.iter().filter(|s| s.frames.last().unwrap() == "Faults.Payload").collect();
     assert_eq!(payload.iter().map(|s| s.count).sum::<u64>(), 1, "{}", describe(&loads));
 }
+
+#[test]
+fn allocation_profiles_show_the_type_and_method_that_allocate_most() {
+    let (stacks, _) = record_collapsed(Runtime::Net8, "allocs", "2", &["-e", "alloc"]);
+    let total: u64 = stacks.iter().map(|s| s.count).sum();
+    let nodes: u64 = stacks
+        .iter()
+        .filter(|s| s.frames.ends_with(&["Allocs.MakeNodes".to_string(), "Allocs+Node".to_string()]))
+        .map(|s| s.count)
+        .sum();
+    let text = count_with(&stacks, "Allocs.MakeText");
+    assert!(total > 1_000_000_000, "gigabytes allocated, got {total} bytes");
+    let share = nodes as f64 / total as f64;
+    assert!((0.75..=0.97).contains(&share), "Node from MakeNodes: {:.1}% of bytes:\n{}", share * 100.0, describe(&stacks));
+    assert!(text > 0 && text < nodes, "{}", describe(&stacks));
+}
+
+#[test]
+fn alloc_on_core31_is_refused_in_words() {
+    let dir = scratch("alloc-31");
+    let out = dir.join("p.txt");
+    let output = record(Runtime::Core31, "allocs", &["1"], &["-f", "collapsed", "-e", "alloc", "-e", "wall", "-o", out.to_str().unwrap()], None);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(stderr.contains("--event alloc needs .NET 5 or later"), "{stderr}");
+    let wall = parse_collapsed(&std::fs::read_to_string(dir.join("p.wall.txt")).unwrap());
+    assert!(count_with(&wall, "Allocs.MakeNodes") > 0, "the other events still record:\n{}", describe(&wall));
+}
