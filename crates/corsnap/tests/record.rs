@@ -313,7 +313,12 @@ fn allocation_profiles_show_the_type_and_method_that_allocate_most() {
     let text = count_with(&stacks, "Allocs.MakeText");
     assert!(total > 1_000_000_000, "gigabytes allocated, got {total} bytes");
     let share = nodes as f64 / total as f64;
-    assert!((0.75..=0.97).contains(&share), "Node from MakeNodes: {:.1}% of bytes:\n{}", share * 100.0, describe(&stacks));
+    assert!(
+        (0.75..=0.97).contains(&share),
+        "Node from MakeNodes: {:.1}% of bytes:\n{}",
+        share * 100.0,
+        describe(&stacks)
+    );
     assert!(text > 0 && text < nodes, "{}", describe(&stacks));
 }
 
@@ -321,10 +326,37 @@ fn allocation_profiles_show_the_type_and_method_that_allocate_most() {
 fn alloc_on_core31_is_refused_in_words() {
     let dir = scratch("alloc-31");
     let out = dir.join("p.txt");
-    let output = record(Runtime::Core31, "allocs", &["1"], &["-f", "collapsed", "-e", "alloc", "-e", "wall", "-o", out.to_str().unwrap()], None);
+    let output = record(
+        Runtime::Core31,
+        "allocs",
+        &["1"],
+        &["-f", "collapsed", "-e", "alloc", "-e", "wall", "-o", out.to_str().unwrap()],
+        None,
+    );
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
     assert!(stderr.contains("--event alloc needs .NET 5 or later"), "{stderr}");
     let wall = parse_collapsed(&std::fs::read_to_string(dir.join("p.wall.txt")).unwrap());
     assert!(count_with(&wall, "Allocs.MakeNodes") > 0, "the other events still record:\n{}", describe(&wall));
+}
+#[test]
+fn pprof_holds_one_sample_type_per_event_kind() {
+    let dir = scratch("pprof");
+    let out = dir.join("p.pb.gz");
+    let output = record(
+        Runtime::Net8,
+        "throws",
+        &[],
+        &["-f", "pprof", "-e", "exceptions", "-e", "wall", "-o", out.to_str().unwrap()],
+        None,
+    );
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let bytes = std::fs::read(&out).unwrap();
+    assert_eq!(&bytes[..2], &[0x1f, 0x8b], "gzip");
+    let profile = corsnap_profile::writers::decode_pprof(&bytes).unwrap();
+    let types: Vec<_> = profile.sample_types.iter().map(|(t, u)| format!("{t}/{u}")).collect();
+    assert!(types.contains(&"exceptions/count".to_string()), "{types:?}");
+    let exceptions = profile.sample_types.iter().position(|(t, _)| t == "exceptions").unwrap();
+    assert_eq!(profile.total(exceptions), 1500);
+    assert!(profile.function_names.iter().any(|f| f == "Faults.Thrower.First"));
 }

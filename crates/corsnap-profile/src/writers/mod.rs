@@ -3,6 +3,7 @@
 mod collapsed;
 mod flamegraph;
 mod pprof;
+pub use pprof::{decode_pprof, PprofSummary};
 mod speedscope;
 
 use std::collections::{BTreeMap, HashMap};

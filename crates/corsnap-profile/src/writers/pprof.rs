@@ -64,6 +64,26 @@ impl Strings {
     }
 }
 
+/// The one mapping every location is in. It says the functions are already
+/// named, so pprof does not try to symbolize addresses (there are none) and
+/// does not complain that the main binary's file name is unknown.
+const MAPPING_ID: u64 = 1;
+
+fn mapping() -> proto::Mapping {
+    proto::Mapping {
+        id: MAPPING_ID,
+        memory_start: 0,
+        memory_limit: 0,
+        file_offset: 0,
+        filename: 0,
+        build_id: 0,
+        has_functions: true,
+        has_filenames: true,
+        has_line_numbers: false,
+        has_inline_frames: false,
+    }
+}
+
 /// What a pprof location stands for: a real frame, or one of the stand-ins
 /// the other writers also draw.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -100,7 +120,7 @@ impl Sites {
         self.functions.push(proto::Function { id, name, system_name: name, filename: module, start_line: 0 });
         self.locations.push(proto::Location {
             id,
-            mapping_id: 0,
+            mapping_id: MAPPING_ID,
             address: 0,
             line: vec![proto::Line { function_id: id, line: 0, column: 0 }],
             is_folded: false,
@@ -172,7 +192,7 @@ fn build(profile: &Profile, options: &WriteOptions) -> proto::Profile {
     proto::Profile {
         sample_type,
         sample: samples,
-        mapping: Vec::new(),
+        mapping: vec![mapping()],
         location: sites.locations,
         function: sites.functions,
         string_table: strings.table,
@@ -210,6 +230,39 @@ fn comments(profile: &Profile, options: &WriteOptions) -> Vec<String> {
 /// pprof's integers are signed; a weight past `i64::MAX` is pinned there.
 fn to_i64(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+/// What a pprof file says, in plain terms: for tests and tools that check a
+/// written profile without a Go toolchain.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PprofSummary {
+    /// `(type, unit)` of each sample type, in order.
+    pub sample_types: Vec<(String, String)>,
+    /// Every sample's values, one per sample type.
+    pub values: Vec<Vec<i64>>,
+    pub function_names: Vec<String>,
+}
+
+impl PprofSummary {
+    /// Sum of sample type `index` over all samples.
+    pub fn total(&self, index: usize) -> i64 {
+        self.values.iter().map(|v| v.get(index).copied().unwrap_or(0)).sum()
+    }
+}
+
+/// Gunzips and decodes a pprof file.
+pub fn decode_pprof(gzipped: &[u8]) -> io::Result<PprofSummary> {
+    use prost::Message as _;
+    use std::io::Read as _;
+    let mut raw = Vec::new();
+    flate2::read::GzDecoder::new(gzipped).read_to_end(&mut raw)?;
+    let profile = proto::Profile::decode(raw.as_slice()).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    let string = |i: i64| profile.string_table.get(i as usize).cloned().unwrap_or_default();
+    Ok(PprofSummary {
+        sample_types: profile.sample_type.iter().map(|t| (string(t.r#type), string(t.unit))).collect(),
+        values: profile.sample.iter().map(|s| s.value.clone()).collect(),
+        function_names: profile.function.iter().map(|f| string(f.name)).collect(),
+    })
 }
 
 #[cfg(test)]
@@ -343,6 +396,9 @@ mod tests {
         // One function and location per distinct frame, plus the stand-in.
         assert_eq!(decoded.function.len(), profile.frames.len() + 1);
         assert_eq!(decoded.location.len(), decoded.function.len());
+        assert_eq!(decoded.mapping.len(), 1);
+        assert!(decoded.mapping[0].has_functions);
+        assert!(decoded.location.iter().all(|l| l.mapping_id == decoded.mapping[0].id));
         let main = decoded.function.iter().find(|f| string(&decoded, f.name) == "Shop.Program.Main").unwrap();
         assert_eq!(string(&decoded, main.filename), "Shop.dll");
 

@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""The cost of the event profiles: an exception-heavy and an allocation-heavy
+C# workload (bench/programs/events.cs, fixed work) without a profiler and
+under `corsnap record --event exceptions` / `--event alloc`, interleaved
+round by round, as ratios. Targets: exceptions at most 10% slower,
+allocations at most 3%.
+
+    python3 bench/events.py [--rounds 7]
+"""
+import argparse, os, random, re, statistics, subprocess, sys, tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--exceptions", type=int, default=40_000, help="throw/catch pairs")
+    ap.add_argument("--allocs", type=int, default=150_000, help="allocation rounds")
+    args = ap.parse_args()
+    subprocess.run(["bash", f"{ROOT}/scripts/setup.sh"], check=True)
+    deps = os.environ.get("CORSNAP_DEPS", os.path.expanduser("~/.cache/corsnap"))
+    env = dict(os.environ)
+    for line in open(os.path.join(deps, "env.sh")):
+        m = re.match(r"\s*export\s+(\w+)=['\"]?([^'\"\n]*)", line)
+        if m:
+            env[m.group(1)] = m.group(2)
+    subprocess.run(["cargo", "build", "--release", "--workspace", "--quiet"], cwd=ROOT, check=True)
+    out = os.path.join(ROOT, "target/bench")
+    subprocess.run(["bash", f"{ROOT}/scripts/build-cs.sh", f"{ROOT}/bench/programs/events.cs", out, "8"], env=env, check=True)
+    dotnet, dll = env["CORSNAP_DOTNET8"], os.path.join(out, "events.dll")
+    corsnap = os.path.join(ROOT, "target/release/corsnap")
+    scratch = tempfile.mkdtemp(prefix="corsnap-events-bench-")
+
+    def run(workload, profiled):
+        n = args.exceptions if workload == "exceptions" else args.allocs
+        program = [dotnet, dll, workload, str(n)]
+        cmd = [corsnap, "record", "-e", workload, "-f", "collapsed", "-o", f"{scratch}/p.txt", "--"] + program if profiled else program
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        m = re.search(r"elapsed_ms ([\d.]+)", r.stdout)
+        if r.returncode != 0 or not m:
+            sys.exit(f"{workload} (profiled={profiled}) failed:\n{r.stdout}\n{r.stderr}")
+        return float(m.group(1))
+
+    results = {}
+    for rnd in range(args.rounds):
+        configs = [(w, p) for w in ("exceptions", "alloc") for p in (False, True)]
+        random.shuffle(configs)
+        for c in configs:
+            results.setdefault(c, []).append(run(*c))
+        print(f"  round {rnd + 1}/{args.rounds} done", file=sys.stderr)
+
+    print(f"\nmedian of {args.rounds} interleaved rounds, {os.cpu_count()} CPUs\n")
+    print("| workload | no profiler | corsnap | slowdown | target |")
+    print("|---|---|---|---|---|")
+    for workload, target in (("exceptions", "10%"), ("alloc", "3%")):
+        base = statistics.median(results[(workload, False)])
+        prof = statistics.median(results[(workload, True)])
+        print(f"| {workload} (`--event {workload}`) | {base:.0f} ms | {prof:.0f} ms | {prof / base:.3f} ({(prof / base - 1) * 100:+.1f}%) | {target} |")
+
+
+if __name__ == "__main__":
+    main()
