@@ -34,6 +34,15 @@ public static class Service
         Interlocked.Add(ref s_sink, (long)(h & 0xff));
     }
 
+    // Throws and catches one exception per heartbeat, for attach tests of
+    // the exception profile.
+    [MethodImpl(MethodImplOptions.NoInlining)]
+    static void Beat(long beat)
+    {
+        try { throw new InvalidOperationException("beat " + beat); }
+        catch (InvalidOperationException) { Interlocked.Increment(ref s_sink); }
+    }
+
     public static int Main(string[] args)
     {
         double seconds = args.Length > 0 ? double.Parse(args[0], System.Globalization.CultureInfo.InvariantCulture) : 60;
@@ -47,7 +56,8 @@ public static class Service
         while (sw.Elapsed.TotalSeconds < seconds)
         {
             Thread.Sleep(100);
-            Console.WriteLine("heartbeat " + (++beat));
+            Beat(++beat);
+            Console.WriteLine("heartbeat " + beat);
             Console.Out.Flush();
         }
         s_stop = true;

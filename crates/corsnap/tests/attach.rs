@@ -375,3 +375,23 @@ fn attach_errors_say_what_is_wrong() {
     let _ = Command::new("kill").arg(pid.to_string()).status();
     let _ = launched.wait();
 }
+
+#[test]
+fn event_profiles_work_after_an_attach() {
+    let service = Service::start(&[]);
+    let dir = scratch("attach-events");
+    let out = dir.join("p.txt");
+    let output = corsnap(&["record", "--pid", &service.pid.to_string(), "-d", "1.5", "-e", "cpu", "-e", "exceptions", "-f", "collapsed", "-o", out.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let exceptions = parse_collapsed(&std::fs::read_to_string(dir.join("p.exceptions.txt")).unwrap());
+    let beats: u64 = exceptions
+        .iter()
+        .filter(|s| s.frames.ends_with(&["Service.Beat".to_string(), "System.InvalidOperationException".to_string()]))
+        .map(|s| s.count)
+        .sum();
+    // One per 100 ms heartbeat during 1.5 s.
+    assert!((10..=16).contains(&beats), "{beats} exceptions:\n{}", describe(&exceptions));
+    let cpu = parse_collapsed(&std::fs::read_to_string(dir.join("p.cpu.txt")).unwrap());
+    assert!(count_with(&cpu, "Service.Crunch") > 0, "{}", describe(&cpu));
+    service.wait_agent_gone();
+}
