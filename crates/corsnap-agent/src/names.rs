@@ -12,6 +12,7 @@ use std::sync::Arc;
 use corsnap_abi::{hr, CorProfilerInfo, FunctionID, HResult, HResultError, MdToken, MetaDataImport, ModuleID};
 
 use crate::modules::ModuleState;
+use crate::naming::{push_generic_params, strip_arity};
 use crate::Shared;
 
 /// A resolved function.
@@ -135,51 +136,5 @@ impl NameResolver {
         let name = TypeName { display, generic_count: params.len().max(inherited) };
         self.types.insert((module, token), name.clone());
         Ok(name)
-    }
-}
-
-/// `Ledger`1` -> `Ledger`.
-fn strip_arity(name: &str) -> &str {
-    match name.rfind('`') {
-        Some(i) if name[i + 1..].bytes().all(|b| b.is_ascii_digit()) && i + 1 < name.len() => &name[..i],
-        _ => name,
-    }
-}
-
-fn push_generic_params(out: &mut String, params: &[String]) {
-    if params.is_empty() {
-        return;
-    }
-    out.push('<');
-    for (i, p) in params.iter().enumerate() {
-        if i > 0 {
-            out.push_str(", ");
-        }
-        out.push_str(p);
-    }
-    out.push('>');
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn arity_suffix_is_stripped_only_when_numeric() {
-        assert_eq!(strip_arity("Ledger`1"), "Ledger");
-        assert_eq!(strip_arity("Dictionary`2"), "Dictionary");
-        assert_eq!(strip_arity("Odd`"), "Odd`");
-        assert_eq!(strip_arity("Plain"), "Plain");
-        assert_eq!(strip_arity("We`ird"), "We`ird");
-    }
-
-    #[test]
-    fn generic_params_render_csharp_style() {
-        let mut s = "Settle".to_string();
-        push_generic_params(&mut s, &["TKey".into(), "TValue".into()]);
-        assert_eq!(s, "Settle<TKey, TValue>");
-        let mut s = "Plain".to_string();
-        push_generic_params(&mut s, &[]);
-        assert_eq!(s, "Plain");
     }
 }

@@ -381,7 +381,21 @@ fn event_profiles_work_after_an_attach() {
     let service = Service::start(&[]);
     let dir = scratch("attach-events");
     let out = dir.join("p.txt");
-    let output = corsnap(&["record", "--pid", &service.pid.to_string(), "-d", "1.5", "-e", "cpu", "-e", "exceptions", "-f", "collapsed", "-o", out.to_str().unwrap()]);
+    let output = corsnap(&[
+        "record",
+        "--pid",
+        &service.pid.to_string(),
+        "-d",
+        "1.5",
+        "-e",
+        "cpu",
+        "-e",
+        "exceptions",
+        "-f",
+        "collapsed",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let exceptions = parse_collapsed(&std::fs::read_to_string(dir.join("p.exceptions.txt")).unwrap());
     let beats: u64 = exceptions
