@@ -52,6 +52,9 @@ impl NameResolver {
     }
 
     pub fn resolve(&mut self, function: FunctionID) -> HResult<FunctionName> {
+        if crate::faults::get().names && crate::faults::get().every(2) {
+            return Err(HResultError(hr::E_FAIL));
+        }
         let (_class, module, method_token) = self.info.get_function_info2(function)?;
         if self.shared.modules.state(module) == Some(ModuleState::Unloading) {
             // The module is going away: its metadata must not be touched.

@@ -45,6 +45,8 @@ const SEND_AT_BYTES: usize = 256 * 1024;
 pub struct Channel {
     stream: UnixStream,
     pending: Vec<u8>,
+    /// Sends so far, for the `socket` fault.
+    sends: u64,
 }
 
 impl Channel {
@@ -56,7 +58,7 @@ impl Channel {
             return Err(io::Error::new(io::ErrorKind::PermissionDenied, format!("socket owned by uid {peer_uid}")));
         }
         stream.set_write_timeout(Some(Duration::from_secs(5)))?;
-        Ok(Channel { stream, pending: Vec::with_capacity(64 * 1024) })
+        Ok(Channel { stream, pending: Vec::with_capacity(64 * 1024), sends: 0 })
     }
 
     pub fn queue(&mut self, msg: &Message) {
@@ -68,6 +70,12 @@ impl Channel {
     }
 
     pub fn flush(&mut self) -> io::Result<()> {
+        if crate::faults::get().socket {
+            self.sends += 1;
+            if self.sends > 20 {
+                let _ = self.stream.shutdown(std::net::Shutdown::Both);
+            }
+        }
         let result = send_all(&self.stream, &self.pending);
         self.pending.clear();
         result
@@ -270,7 +278,7 @@ impl TickBuffers {
     fn new() -> Self {
         TickBuffers {
             threads: Vec::with_capacity(MAX_THREADS_PER_TICK),
-            frames: Vec::with_capacity(ARENA_FRAMES),
+            frames: Vec::with_capacity(if crate::faults::get().buffer { 64 } else { ARENA_FRAMES }),
             stacks: Vec::with_capacity(MAX_THREADS_PER_TICK),
         }
     }
@@ -490,6 +498,9 @@ impl SamplerLoop {
         for record in &stacks {
             let harmless = record.status >= 0
                 || record.status == hr::E_FAIL // a runtime thread with no managed frames
+                // A thread unwinding an exception through native code: the
+                // runtime cannot start an unseeded walk there.
+                || record.status == hr::CORPROF_E_STACKSNAPSHOT_UNMANAGED_CTX
                 || (record.status == hr::CORPROF_E_STACKSNAPSHOT_ABORTED && record.truncated);
             if !harmless {
                 self.stats.walk_errors += 1;

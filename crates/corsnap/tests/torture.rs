@@ -1,0 +1,284 @@
+//! Short versions of the torture suite (the long soak is bench/torture.py):
+//! the seeds' ways for a profiler to deadlock or crash its host, provoked at
+//! 1000 Hz under the real .NET 8 runtime. Each run must finish with the
+//! program's own output and exit code before a deadline that catches a
+//! deadlock, and says what it survived.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use support::{compiled, corsnap_bin, count_with, describe, parse_collapsed, scratch, Runtime};
+
+/// Waits for `child` at most `limit`; a run that takes longer is killed and
+/// reported as the deadlock it most likely is.
+fn wait_with_deadline(mut child: Child, limit: Duration, what: &str) -> Output {
+    let deadline = Instant::now() + limit;
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "{what} did not finish within {limit:?} (deadlock?)\nstdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `survived threads=.. gcs=..` from the program, as numbers.
+fn survived(stdout: &str) -> std::collections::HashMap<String, u64> {
+    let line =
+        stdout.lines().find(|l| l.starts_with("survived ")).unwrap_or_else(|| panic!("no survival line in:\n{stdout}"));
+    line["survived ".len()..]
+        .split_whitespace()
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.parse().unwrap()))
+        .collect()
+}
+
+fn storm_under_corsnap(
+    kind: &str,
+    seconds: &str,
+    events: &[&str],
+) -> (std::collections::HashMap<String, u64>, String, std::path::PathBuf) {
+    let dir = scratch(&format!("torture-{kind}"));
+    let dll = compiled("storm", Runtime::Net8);
+    let mut cmd = Command::new(corsnap_bin());
+    cmd.args(["record", "--stats", "-r", "1000", "-f", "collapsed", "-o"]).arg(dir.join("p.txt"));
+    for e in events {
+        cmd.args(["-e", e]);
+    }
+    cmd.arg("--").arg(Runtime::Net8.dotnet()).arg(&dll).arg(kind).arg(seconds);
+    let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let out = wait_with_deadline(child, Duration::from_secs(90), &format!("storm {kind}"));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(0), "stderr:\n{stderr}");
+    let counts = survived(&stdout);
+    let agent = stderr.lines().find(|l| l.contains("agent:")).unwrap_or("").to_string();
+    eprintln!("storm {kind}: survived {counts:?}; {agent}");
+    (counts, stderr, dir)
+}
+
+#[test]
+fn thread_churn_while_sampling_at_1000_hz() {
+    let (counts, stderr, dir) = storm_under_corsnap("churn", "3", &["cpu"]);
+    assert!(counts["threads"] >= 1000, "{counts:?}");
+    let stacks = parse_collapsed(&std::fs::read_to_string(dir.join("p.txt")).unwrap());
+    assert!(count_with(&stacks, "Storm.Churn") > 0, "{}", describe(&stacks));
+    // A thread caught half-created can refuse a walk; that must stay rare.
+    let number_before = |marker: &str| -> u64 {
+        let at = stderr.find(marker).unwrap_or_else(|| panic!("no {marker:?} in {stderr}"));
+        stderr[..at].trim_end().rsplit(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+    };
+    let (stacks, errors) = (number_before(" stacks,"), number_before(" walk errors"));
+    assert!(errors * 100 <= stacks, "{errors} walk errors in {stacks} stacks");
+}
+
+#[test]
+fn gc_storm_while_sampling_and_naming_at_1000_hz() {
+    let (counts, stderr, dir) = storm_under_corsnap("gc", "3", &["cpu", "gc"]);
+    assert!(counts["gcs"] >= 100 && counts["jitted"] >= 100, "{counts:?}");
+    let gcs = parse_collapsed(&std::fs::read_to_string(dir.join("p.gc.txt")).unwrap());
+    assert!(gcs.len() > 1, "{}", describe(&gcs));
+    let cpu = parse_collapsed(&std::fs::read_to_string(dir.join("p.cpu.txt")).unwrap());
+    assert!(count_with(&cpu, "Storm.Allocate") > 0, "{}", describe(&cpu));
+    assert!(stderr.contains("(0 unresolved)"), "every name resolved: {stderr}");
+}
+
+#[test]
+fn exceptions_on_many_threads_are_all_recorded_while_sampling() {
+    let (counts, _, dir) = storm_under_corsnap("exceptions", "3", &["cpu", "exceptions"]);
+    let exceptions = parse_collapsed(&std::fs::read_to_string(dir.join("p.exceptions.txt")).unwrap());
+    let recorded: u64 = exceptions.iter().map(|s| s.count).sum();
+    assert_eq!(recorded, counts["exceptions"], "every exception, exactly");
+    assert!(count_with(&exceptions, "Storm.Fail") == recorded, "{}", describe(&exceptions));
+}
+
+#[test]
+fn a_program_killed_in_the_middle_of_sampling_still_gets_its_profile_written() {
+    let dir = scratch("torture-killed");
+    let log = dir.join("agent.log");
+    let dll = compiled("storm", Runtime::Net8);
+    let cli = Command::new(corsnap_bin())
+        .args(["record", "-r", "1000", "-f", "collapsed", "-o"])
+        .arg(dir.join("p.txt"))
+        .arg("--agent-log")
+        .arg(&log)
+        .arg("--")
+        .arg(Runtime::Net8.dotnet())
+        .arg(&dll)
+        .args(["gc", "30"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while !std::fs::read_to_string(&log).unwrap_or_default().contains("started") {
+        assert!(started.elapsed() < Duration::from_secs(20), "agent never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(800));
+    let pid: u32 = std::fs::read_to_string(&log)
+        .unwrap()
+        .split("[pid ")
+        .nth(1)
+        .unwrap()
+        .split(']')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
+    let out = wait_with_deadline(cli, Duration::from_secs(20), "corsnap after its program was killed");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(137), "the program's fate passes through: {stderr}");
+    let stacks = parse_collapsed(&std::fs::read_to_string(dir.join("p.txt")).unwrap());
+    assert!(count_with(&stacks, "Storm.Allocate") > 0, "samples before the kill are kept:\n{}", describe(&stacks));
+}
+
+/// `storm.dll all`, running until dropped.
+struct StormService {
+    child: Child,
+    pid: u32,
+    heartbeats: Arc<AtomicU64>,
+}
+
+impl StormService {
+    fn start(seconds: &str) -> StormService {
+        let dll = compiled("storm", Runtime::Net8);
+        let mut child = Command::new(Runtime::Net8.dotnet())
+            .arg(&dll)
+            .args(["all", seconds])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let ready = lines.next().unwrap().unwrap();
+        let pid = ready.strip_prefix("ready ").unwrap().parse().unwrap();
+        let heartbeats = Arc::new(AtomicU64::new(0));
+        let count = heartbeats.clone();
+        std::thread::spawn(move || {
+            for line in lines.map_while(Result::ok) {
+                if line.starts_with("heartbeat") {
+                    count.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        });
+        StormService { child, pid, heartbeats }
+    }
+
+    fn agent_gone(&self) -> bool {
+        let maps = std::fs::read_to_string(format!("/proc/{}/maps", self.pid)).unwrap_or_default();
+        let threads = std::fs::read_dir(format!("/proc/{}/task", self.pid))
+            .map(|d| {
+                d.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                    .any(|c| c.starts_with("corsnap"))
+            })
+            .unwrap_or(false);
+        !maps.contains("libcorsnap_agent") && !threads
+    }
+
+    fn wait_agent_gone(&self, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.agent_gone() {
+            assert!(Instant::now() < deadline, "{what}: the agent did not leave");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn still_beating(&mut self) {
+        assert!(self.child.try_wait().unwrap().is_none(), "the storm service died");
+        let before = self.heartbeats.load(Ordering::SeqCst);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.heartbeats.load(Ordering::SeqCst) <= before {
+            assert!(Instant::now() < deadline, "the storm service stopped beating");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for StormService {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn attach_and_detach_in_a_loop_under_thread_churn_and_gc_storm() {
+    let mut service = StormService::start("120");
+    let dir = scratch("torture-attach-loop");
+    let cycles = 10;
+    for cycle in 1..=cycles {
+        let child = Command::new(corsnap_bin())
+            .args([
+                "record",
+                "--pid",
+                &service.pid.to_string(),
+                "-d",
+                "0.3",
+                "-r",
+                "1000",
+                "-e",
+                "cpu",
+                "-e",
+                "exceptions",
+                "-e",
+                "gc",
+                "-f",
+                "collapsed",
+                "-o",
+            ])
+            .arg(dir.join(format!("p{cycle}.txt")))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = wait_with_deadline(child, Duration::from_secs(30), &format!("attach cycle {cycle}"));
+        assert!(out.status.success(), "cycle {cycle}: {}", String::from_utf8_lossy(&out.stderr));
+        service.wait_agent_gone(&format!("cycle {cycle}"));
+        service.still_beating();
+    }
+    eprintln!("attach loop: survived {cycles} attach/record/detach cycles under churn and GC storm");
+}
+
+#[test]
+fn a_cli_killed_while_attaching_or_detaching_leaves_the_process_running() {
+    let mut service = StormService::start("120");
+    let dir = scratch("torture-kill-cli");
+    // Kill points from before the attach request to the middle of the detach.
+    for (i, delay_ms) in [0u64, 5, 20, 50, 120, 250, 320, 340, 400].iter().enumerate() {
+        let mut cli = Command::new(corsnap_bin())
+            .args(["record", "--pid", &service.pid.to_string(), "-d", "0.3", "-r", "1000", "-f", "collapsed", "-o"])
+            .arg(dir.join(format!("p{i}.txt")))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(*delay_ms));
+        let _ = cli.kill();
+        let _ = cli.wait();
+        service.wait_agent_gone(&format!("CLI killed after {delay_ms} ms"));
+        service.still_beating();
+    }
+    // And the process still takes a new attach.
+    let out = Command::new(corsnap_bin())
+        .args(["record", "--pid", &service.pid.to_string(), "-d", "0.3", "-f", "collapsed", "-o"])
+        .arg(dir.join("last.txt"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    service.wait_agent_gone("final attach");
+}
