@@ -3,11 +3,11 @@
 //! it could in the field, so the tests can check the program carries on and
 //! the samples that could be taken are kept:
 //!
-//! - `callback`: every 10th `ThreadCreated` callback panics (the panic must
+//! - `callback`: every other `ThreadCreated` callback panics (the panic must
 //!   stop at the FFI boundary);
 //! - `names`: every other function name fails to resolve;
 //! - `socket`: the connection to the CLI breaks after 20 sends;
-//! - `buffer`: the per-tick frame buffer holds only 64 frames, so deep or
+//! - `buffer`: the per-tick frame buffer holds only 8 frames, so deep or
 //!   numerous stacks are cut short.
 
 use std::sync::atomic::{AtomicU64, Ordering};

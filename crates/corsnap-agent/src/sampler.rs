@@ -278,7 +278,7 @@ impl TickBuffers {
     fn new() -> Self {
         TickBuffers {
             threads: Vec::with_capacity(MAX_THREADS_PER_TICK),
-            frames: Vec::with_capacity(if crate::faults::get().buffer { 64 } else { ARENA_FRAMES }),
+            frames: Vec::with_capacity(if crate::faults::get().buffer { 8 } else { ARENA_FRAMES }),
             stacks: Vec::with_capacity(MAX_THREADS_PER_TICK),
         }
     }
