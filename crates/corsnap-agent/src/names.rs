@@ -38,6 +38,7 @@ pub struct NameResolver {
     modules: HashMap<ModuleID, String>,
     types: HashMap<(ModuleID, MdToken), TypeName>,
     classes: HashMap<corsnap_abi::ClassID, String>,
+    resets: u64,
 }
 
 impl NameResolver {
@@ -48,10 +49,28 @@ impl NameResolver {
             modules: HashMap::new(),
             types: HashMap::new(),
             classes: HashMap::new(),
+            resets: 0,
+        }
+    }
+
+    /// Times a cache was emptied for hitting its cap.
+    pub fn cache_resets(&self) -> u64 {
+        self.resets
+    }
+
+    /// Empties every cache that has reached its cap.
+    fn bound_caches(&mut self) {
+        let cap = crate::sampler::CACHE_CAP;
+        if self.types.len() >= cap || self.classes.len() >= cap || self.modules.len() >= cap {
+            self.types.clear();
+            self.classes.clear();
+            self.modules.clear();
+            self.resets += 1;
         }
     }
 
     pub fn resolve(&mut self, function: FunctionID) -> HResult<FunctionName> {
+        self.bound_caches();
         if crate::faults::get().names && crate::faults::get().every(2) {
             return Err(HResultError(hr::E_FAIL));
         }
@@ -78,6 +97,7 @@ impl NameResolver {
     /// A class's display name (an exception's or a loaded class's type),
     /// cached per `ClassID`; never an error, since it labels a sample.
     pub fn class_name(&mut self, class: corsnap_abi::ClassID) -> String {
+        self.bound_caches();
         if let Some(n) = self.classes.get(&class) {
             return n.clone();
         }

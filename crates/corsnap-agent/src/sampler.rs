@@ -31,6 +31,11 @@ const MAX_FRAMES_PER_STACK: usize = 4096;
 const ARENA_FRAMES: usize = 256 * 1024;
 /// Threads walked per tick.
 const MAX_THREADS_PER_TICK: usize = 4096;
+/// Entries any one cache of the sampler may hold. A process that JITs
+/// without end (or churns threads) would otherwise grow them without end;
+/// a full cache is emptied and counted, and what it held is looked up again.
+pub(crate) const CACHE_CAP: usize = 200_000;
+
 /// How often running totals go to the CLI.
 const STATS_EVERY: Duration = Duration::from_secs(1);
 /// Samples are sent in batches: a send per tick would wake the CLI (and
@@ -303,6 +308,7 @@ struct SamplerLoop {
     /// Whether callbacks queue events that need sending.
     records_events: bool,
     samples_on_timer: bool,
+    own_cache_resets: u64,
 }
 
 impl SamplerLoop {
@@ -329,6 +335,7 @@ impl SamplerLoop {
             logged_errors: 0,
             records_events,
             samples_on_timer,
+            own_cache_resets: 0,
         }
     }
 
@@ -399,6 +406,8 @@ impl SamplerLoop {
 
     fn queue_stats(&mut self) {
         self.tick_times.fill(&mut self.stats);
+        self.stats.cache_resets = self.own_cache_resets + self.names.cache_resets();
+        self.stats.events_dropped = self.shared.events.dropped.load(std::sync::atomic::Ordering::Relaxed);
         self.stats.sampler_cpu_ns = corsnap_abi::thread_cpu_time_ns(corsnap_abi::current_os_tid()).unwrap_or(0);
         self.channel.queue(&Message::Stats(self.stats));
     }
@@ -551,6 +560,10 @@ impl SamplerLoop {
     /// On first sight, its CPU time so far, but no more than one interval.
     fn cpu_since_last_sample(&mut self, thread: ThreadID, os_tid: u32, interval_ns: u64) -> u64 {
         let Some(now) = corsnap_abi::thread_cpu_time_ns(os_tid) else { return 0 };
+        if self.cpu_clock.len() >= CACHE_CAP {
+            self.cpu_clock.clear();
+            self.own_cache_resets += 1;
+        }
         match self.cpu_clock.insert(thread, (os_tid, now)) {
             Some((tid, before)) if tid == os_tid => now.saturating_sub(before),
             _ => now.min(interval_ns),
@@ -605,6 +618,10 @@ impl SamplerLoop {
     }
 
     fn describe_function(&mut self, function: FunctionID) {
+        if self.sent_functions.len() >= CACHE_CAP {
+            self.sent_functions.clear();
+            self.own_cache_resets += 1;
+        }
         if function == 0 || !self.sent_functions.insert(function) {
             return;
         }
@@ -625,6 +642,10 @@ impl SamplerLoop {
     /// changed; `threads` pairs each `ThreadID` with its OS thread id as seen
     /// now (0 if unknown).
     fn describe_threads(&mut self, threads: &[(ThreadID, u32)]) {
+        if self.sent_threads.len() >= CACHE_CAP {
+            self.sent_threads.clear();
+            self.own_cache_resets += 1;
+        }
         let mut updates = Vec::new();
         let sent = &self.sent_threads;
         self.shared.threads.with_entries(threads.iter().map(|&(t, _)| t), |thread, entry| {

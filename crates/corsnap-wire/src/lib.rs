@@ -70,6 +70,12 @@ pub struct SamplerStats {
     pub tick_p99_ns: u64,
     /// CPU time the sampler thread itself has used.
     pub sampler_cpu_ns: u64,
+    /// Times a cache of the agent hit its cap and was emptied (memory stays
+    /// bounded; names are looked up and sent again).
+    pub cache_resets: u64,
+    /// Events (exceptions, allocations…) dropped because too many were
+    /// waiting to be sent.
+    pub events_dropped: u64,
 }
 
 /// Everything that travels from the agent to the CLI. `Recording` is written
@@ -466,7 +472,7 @@ fn finish_frame(buf: &mut [u8], start: usize) {
     buf[start..start + 4].copy_from_slice(&len.to_le_bytes());
 }
 
-const STATS_FIELDS: usize = 16;
+const STATS_FIELDS: usize = 18;
 
 fn stats_fields(s: &SamplerStats) -> [u64; STATS_FIELDS] {
     [
@@ -486,6 +492,8 @@ fn stats_fields(s: &SamplerStats) -> [u64; STATS_FIELDS] {
         s.resume_p50_ns,
         s.tick_p99_ns,
         s.sampler_cpu_ns,
+        s.cache_resets,
+        s.events_dropped,
     ]
 }
 
@@ -507,6 +515,8 @@ fn stats_from_fields(v: [u64; STATS_FIELDS]) -> SamplerStats {
         resume_p50_ns: v[13],
         tick_p99_ns: v[14],
         sampler_cpu_ns: v[15],
+        cache_resets: v[16],
+        events_dropped: v[17],
     }
 }
 

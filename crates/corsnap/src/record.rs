@@ -413,7 +413,7 @@ pub fn describe_stats(s: &corsnap_wire::SamplerStats) -> String {
     format!(
         "agent: {} ticks ({} skipped); per tick median suspend {:.1} µs, walk {:.1} µs, resume {:.1} µs \
          (mean total {:.1} µs, p99 {:.1} µs, max {:.1} µs); sampler CPU {:.0} ms; {} stacks, {} walk errors, \
-         {} truncated, {} names ({} unresolved)",
+         {} truncated, {} names ({} unresolved); {} cache resets, {} events dropped",
         s.ticks,
         s.skipped_ticks,
         us(s.suspend_p50_ns),
@@ -427,7 +427,9 @@ pub fn describe_stats(s: &corsnap_wire::SamplerStats) -> String {
         s.walk_errors,
         s.truncated_stacks,
         s.names_resolved,
-        s.name_failures
+        s.name_failures,
+        s.cache_resets,
+        s.events_dropped
     )
 }
 
