@@ -38,11 +38,13 @@ pub struct AgentConnection {
 
 impl Listener {
     pub fn new() -> Result<Listener> {
-        // tempfile creates the directory with mode 0700.
         let dir = tempfile::Builder::new()
             .prefix("corsnap-")
+            .permissions(std::fs::Permissions::from_mode(0o700))
             .tempdir()
             .context("creating a private directory for the agent socket")?;
+        // Whatever the umask did, only we may enter.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700))?;
         let path = dir.path().join("agent.sock");
         let listener = UnixListener::bind(&path).with_context(|| format!("listening on {}", path.display()))?;
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
