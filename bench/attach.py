@@ -11,25 +11,16 @@ when the agent's library is unmapped, i.e. when the detach has completed.
 """
 import argparse, os, re, statistics, subprocess, sys, tempfile, threading, time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import CORSNAP, prepare
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cycles", type=int, default=10)
     args = ap.parse_args()
-    subprocess.run(["bash", f"{ROOT}/scripts/setup.sh"], check=True)
-    deps = os.environ.get("CORSNAP_DEPS", os.path.expanduser("~/.cache/corsnap"))
-    env = dict(os.environ)
-    for line in open(os.path.join(deps, "env.sh")):
-        m = re.match(r"\s*export\s+(\w+)=['\"]?([^'\"\n]*)", line)
-        if m:
-            env[m.group(1)] = m.group(2)
-    subprocess.run(["cargo", "build", "--release", "--workspace", "--quiet"], cwd=ROOT, check=True)
-    out = os.path.join(ROOT, "target/bench")
-    subprocess.run(["bash", f"{ROOT}/scripts/build-cs.sh", f"{ROOT}/tests/programs/service.cs", out, "8"], env=env, check=True)
-    corsnap = os.path.join(ROOT, "target/release/corsnap")
-    service = subprocess.Popen([env["CORSNAP_DOTNET8"], os.path.join(out, "service.dll"), "600"], stdout=subprocess.PIPE, text=True)
+    env, [service_dll] = prepare('tests/programs/service.cs')
+    corsnap = CORSNAP
+    service = subprocess.Popen([env["CORSNAP_DOTNET8"], service_dll, "600"], stdout=subprocess.PIPE, text=True)
     pid = int(service.stdout.readline().split()[1])
     threading.Thread(target=lambda: [None for _ in service.stdout], daemon=True).start()
     scratch = tempfile.mkdtemp(prefix="corsnap-attach-bench-")

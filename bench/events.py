@@ -9,7 +9,7 @@ allocations at most 3%.
 """
 import argparse, os, random, re, statistics, subprocess, sys, tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import CORSNAP, prepare
 
 
 def main():
@@ -18,18 +18,9 @@ def main():
     ap.add_argument("--exceptions", type=int, default=40_000, help="throw/catch pairs")
     ap.add_argument("--allocs", type=int, default=150_000, help="allocation rounds")
     args = ap.parse_args()
-    subprocess.run(["bash", f"{ROOT}/scripts/setup.sh"], check=True)
-    deps = os.environ.get("CORSNAP_DEPS", os.path.expanduser("~/.cache/corsnap"))
-    env = dict(os.environ)
-    for line in open(os.path.join(deps, "env.sh")):
-        m = re.match(r"\s*export\s+(\w+)=['\"]?([^'\"\n]*)", line)
-        if m:
-            env[m.group(1)] = m.group(2)
-    subprocess.run(["cargo", "build", "--release", "--workspace", "--quiet"], cwd=ROOT, check=True)
-    out = os.path.join(ROOT, "target/bench")
-    subprocess.run(["bash", f"{ROOT}/scripts/build-cs.sh", f"{ROOT}/bench/programs/events.cs", out, "8"], env=env, check=True)
-    dotnet, dll = env["CORSNAP_DOTNET8"], os.path.join(out, "events.dll")
-    corsnap = os.path.join(ROOT, "target/release/corsnap")
+    env, [dll] = prepare('bench/programs/events.cs')
+    dotnet = env["CORSNAP_DOTNET8"]
+    corsnap = CORSNAP
     scratch = tempfile.mkdtemp(prefix="corsnap-events-bench-")
 
     def run(workload, profiled):

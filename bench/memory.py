@@ -9,9 +9,9 @@ extrapolated to one hour, gives the one-hour figure (stated as such).
 
     python3 bench/memory.py [--seconds 60] [--threads 50]
 """
-import argparse, os, re, subprocess, sys, tempfile, threading, time
+import argparse, os, re, subprocess, tempfile, time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import CORSNAP, prepare
 
 
 def rss_kib(pid):
@@ -41,19 +41,10 @@ def main():
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--threads", type=int, default=50)
     args = ap.parse_args()
-    subprocess.run(["bash", f"{ROOT}/scripts/setup.sh"], check=True)
-    deps = os.environ.get("CORSNAP_DEPS", os.path.expanduser("~/.cache/corsnap"))
-    env = dict(os.environ)
-    for line in open(os.path.join(deps, "env.sh")):
-        m = re.match(r"\s*export\s+(\w+)=['\"]?([^'\"\n]*)", line)
-        if m:
-            env[m.group(1)] = m.group(2)
-    subprocess.run(["cargo", "build", "--release", "--workspace", "--quiet"], cwd=ROOT, check=True)
-    out = os.path.join(ROOT, "target/bench")
-    subprocess.run(["bash", f"{ROOT}/scripts/build-cs.sh", f"{ROOT}/bench/programs/many.cs", out, "8"], env=env, check=True)
-    program = [env["CORSNAP_DOTNET8"], os.path.join(out, "many.dll"), str(args.threads), str(args.seconds)]
+    env, [many_dll] = prepare('bench/programs/many.cs')
+    program = [env["CORSNAP_DOTNET8"], many_dll, str(args.threads), str(args.seconds)]
     scratch = tempfile.mkdtemp(prefix="corsnap-memory-bench-")
-    corsnap = [os.path.join(ROOT, "target/release/corsnap"), "record", "-r", "100", "-f", "raw", "-o", f"{scratch}/p.corsnap", "--"]
+    corsnap = [CORSNAP, "record", "-r", "100", "-f", "raw", "-o", f"{scratch}/p.corsnap", "--"]
 
     results = {}
     for name, cmd in (("none", program), ("corsnap", corsnap + program)):

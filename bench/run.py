@@ -12,7 +12,7 @@ own per-tick cost from its statistics.
 """
 import argparse, os, random, re, statistics, subprocess, sys, tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import CORSNAP, prepare
 
 
 def sh(cmd, env=None):
@@ -26,17 +26,8 @@ def main():
     ap.add_argument("--threads", default="1,8")
     args = ap.parse_args()
 
-    subprocess.run(["bash", f"{ROOT}/scripts/setup.sh"], check=True)
-    deps = os.environ.get("CORSNAP_DEPS", os.path.expanduser("~/.cache/corsnap"))
-    env = dict(os.environ)
-    for line in open(os.path.join(deps, "env.sh")):
-        m = re.match(r"\s*export\s+(\w+)=['\"]?([^'\"\n]*)", line)
-        if m:
-            env[m.group(1)] = m.group(2)
-    subprocess.run(["cargo", "build", "--release", "--workspace", "--quiet"], cwd=ROOT, check=True)
-    out = os.path.join(ROOT, "target/bench")
-    subprocess.run(["bash", f"{ROOT}/scripts/build-cs.sh", f"{ROOT}/bench/programs/cpu.cs", out, "8"], env=env, check=True)
-    dotnet, dll, corsnap = env["CORSNAP_DOTNET8"], os.path.join(out, "cpu.dll"), os.path.join(ROOT, "target/release/corsnap")
+    env, [dll] = prepare('bench/programs/cpu.cs')
+    dotnet, corsnap = env["CORSNAP_DOTNET8"], CORSNAP
     scratch = tempfile.mkdtemp(prefix="corsnap-bench-")
 
     def run(config, threads):
@@ -70,8 +61,8 @@ def main():
 
     print(f"\nwork: {args.iterations} iterations per thread, median of {args.rounds} interleaved rounds, "
           f"{os.cpu_count()} CPUs\n")
-    print(f"| busy threads | profiler | median work time | slowdown vs none | agent median µs per tick: suspend / walk / resume |")
-    print(f"|---|---|---|---|---|")
+    print("| busy threads | profiler | median work time | slowdown vs none | agent median µs per tick: suspend / walk / resume |")
+    print("|---|---|---|---|---|")
     for threads in sorted({t for t, _ in results}):
         base = statistics.median(x for x, _ in results[(threads, "none")])
         for c in configs:

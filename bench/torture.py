@@ -11,9 +11,9 @@ Every run has a deadline that catches a deadlock. Prints what it survived.
 
     python3 bench/torture.py [--minutes 10] [--cycles 100]
 """
-import argparse, os, re, subprocess, sys, tempfile, threading, time
+import argparse, re, subprocess, sys, tempfile, threading, time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import CORSNAP, prepare
 
 
 def main():
@@ -21,18 +21,9 @@ def main():
     ap.add_argument("--minutes", type=float, default=10)
     ap.add_argument("--cycles", type=int, default=100)
     args = ap.parse_args()
-    subprocess.run(["bash", f"{ROOT}/scripts/setup.sh"], check=True)
-    deps = os.environ.get("CORSNAP_DEPS", os.path.expanduser("~/.cache/corsnap"))
-    env = dict(os.environ)
-    for line in open(os.path.join(deps, "env.sh")):
-        m = re.match(r"\s*export\s+(\w+)=['\"]?([^'\"\n]*)", line)
-        if m:
-            env[m.group(1)] = m.group(2)
-    subprocess.run(["cargo", "build", "--release", "--workspace", "--quiet"], cwd=ROOT, check=True)
-    out = os.path.join(ROOT, "target/bench")
-    subprocess.run(["bash", f"{ROOT}/scripts/build-cs.sh", f"{ROOT}/tests/programs/storm.cs", out, "8"], env=env, check=True)
-    dotnet, dll = env["CORSNAP_DOTNET8"], os.path.join(out, "storm.dll")
-    corsnap = os.path.join(ROOT, "target/release/corsnap")
+    env, [dll] = prepare('tests/programs/storm.cs')
+    dotnet = env["CORSNAP_DOTNET8"]
+    corsnap = CORSNAP
     scratch = tempfile.mkdtemp(prefix="corsnap-torture-")
     totals = {"runs": 0, "threads": 0, "gcs": 0, "exceptions": 0, "samples": 0, "attach_cycles": 0}
     deadline = time.monotonic() + args.minutes * 60

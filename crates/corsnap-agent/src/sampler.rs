@@ -374,6 +374,8 @@ impl SamplerLoop {
             if let Some(due) = next_tick {
                 let now = Instant::now();
                 if now >= due {
+                    // The first samples go out at once: the user is waiting.
+                    send_now |= self.stats.samples == 0;
                     self.tick(false);
                     // Behind (a long tick, a descheduled thread): do not burst.
                     next_tick = Some((due + self.jittered_interval(rate)).max(now));
@@ -502,7 +504,11 @@ impl SamplerLoop {
         self.describe_threads(&walked);
         let cpu = self.shared.records(EventKind::Cpu) && !snapshot;
         let wall = self.shared.records(EventKind::Wall) || snapshot;
-        let since_last_tick = self.last_tick.map_or(0, |t| t.elapsed().as_nanos() as u64);
+        // Before the first tick, count one interval at the current rate.
+        let since_last_tick = self.last_tick.map_or_else(
+            || 1_000_000_000 / u64::from(self.shared.signal.rate().max(1)),
+            |t| t.elapsed().as_nanos() as u64,
+        );
         self.last_tick = Some(Instant::now());
         for record in &stacks {
             let harmless = record.status >= 0

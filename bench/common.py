@@ -1,0 +1,27 @@
+"""What every benchmark does first: install what is missing, build corsnap,
+compile the C# workloads."""
+import os, re, subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORSNAP = os.path.join(ROOT, "target/release/corsnap")
+OUT = os.path.join(ROOT, "target/bench")
+
+
+def prepare(*programs):
+    """Runs scripts/setup.sh, builds the workspace in release mode, compiles
+    each C# source (a path relative to the repository) for .NET 8. Returns the
+    environment (with CORSNAP_DOTNET8 and friends) and the compiled .dll paths."""
+    subprocess.run(["bash", f"{ROOT}/scripts/setup.sh"], check=True)
+    deps = os.environ.get("CORSNAP_DEPS", os.path.expanduser("~/.cache/corsnap"))
+    env = dict(os.environ)
+    with open(os.path.join(deps, "env.sh")) as f:
+        for line in f:
+            m = re.match(r"\s*export\s+(\w+)=['\"]?([^'\"\n]*)", line)
+            if m:
+                env[m.group(1)] = m.group(2)
+    subprocess.run(["cargo", "build", "--release", "--workspace", "--quiet"], cwd=ROOT, check=True)
+    dlls = []
+    for program in programs:
+        subprocess.run(["bash", f"{ROOT}/scripts/build-cs.sh", os.path.join(ROOT, program), OUT, "8"], env=env, check=True)
+        dlls.append(os.path.join(OUT, os.path.splitext(os.path.basename(program))[0] + ".dll"))
+    return env, dlls
