@@ -5,144 +5,31 @@ mod support;
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use support::{compiled, corsnap_bin, count_with, describe, parse_collapsed, scratch, Runtime};
+use support::{compiled, corsnap_bin, count_with, describe, parse_collapsed, scratch, wait_for, Runtime, Service};
 
-/// A running `service.cs`, killed when dropped.
-struct Service {
-    child: Child,
-    pid: u32,
-    heartbeats: Arc<AtomicU64>,
-}
-
-impl Service {
-    fn start(env: &[(&str, &str)]) -> Service {
-        Service::start_on(Runtime::Net8, env)
-    }
-
-    fn start_on(runtime: Runtime, env: &[(&str, &str)]) -> Service {
-        let dll = compiled("service", runtime);
-        let mut cmd = Command::new(runtime.dotnet());
-        cmd.env("DOTNET_SYSTEM_GLOBALIZATION_INVARIANT", "1");
-        cmd.arg(&dll).arg("120").stdout(Stdio::piped()).stderr(Stdio::null()).stdin(Stdio::null());
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().unwrap();
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        // Readiness handshake: the service prints its pid once it runs.
-        let ready = lines.next().expect("service printed nothing").unwrap();
-        let pid: u32 =
-            ready.strip_prefix("ready ").unwrap_or_else(|| panic!("unexpected first line {ready:?}")).parse().unwrap();
-        let heartbeats = Arc::new(AtomicU64::new(0));
-        let count = heartbeats.clone();
-        std::thread::spawn(move || {
-            for line in lines.map_while(Result::ok) {
-                if line.starts_with("heartbeat ") {
-                    count.fetch_add(1, Ordering::SeqCst);
-                }
-            }
-        });
-        Service { child, pid, heartbeats }
-    }
-
-    fn is_alive(&mut self) -> bool {
-        self.child.try_wait().unwrap().is_none()
-    }
-
-    /// Waits until `n` more heartbeats have arrived: the service still runs
-    /// and its stdout is intact.
-    fn wait_heartbeats(&self, n: u64) {
-        let start = self.heartbeats.load(Ordering::SeqCst);
-        wait_for(Duration::from_secs(10), || self.heartbeats.load(Ordering::SeqCst) >= start + n)
-            .unwrap_or_else(|| panic!("the service stopped beating"));
-    }
-
-    fn agent_mapped(&self) -> bool {
-        std::fs::read_to_string(format!("/proc/{}/maps", self.pid)).unwrap_or_default().contains("libcorsnap_agent")
-    }
-
-    /// Thread names, without the runtime's tiered-compilation worker, which
-    /// comes and goes by itself.
-    fn threads(&self) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", self.pid))
-            .unwrap()
-            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-            .map(|n| n.trim().to_string())
-            .filter(|n| n != ".NET Tiered Com")
-            .collect();
-        names.sort();
-        names
-    }
-
-    /// The thread list once it has stopped changing (a runtime starting up,
-    /// or finishing a detach, still creates and names threads).
-    fn settled_threads(&self) -> Vec<String> {
-        let mut last = self.threads();
-        let mut stable_since = Instant::now();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline && stable_since.elapsed() < Duration::from_millis(500) {
-            std::thread::sleep(Duration::from_millis(50));
-            let now = self.threads();
-            if now != last {
-                last = now;
-                stable_since = Instant::now();
-            }
-        }
-        last
-    }
-
-    /// The threads to compare against after a detach. The runtime keeps one
-    /// thread of its own after the first detach (its profiler-detach thread,
-    /// named after the diagnostics thread that started it), so the baseline
-    /// is taken after one attach and detach.
-    fn baseline_after_one_cycle(&self) -> Vec<String> {
-        let out = scratch(&format!("warmup-{}", self.pid)).join("p.txt");
-        let output = corsnap(&[
-            "record",
-            "--pid",
-            &self.pid.to_string(),
-            "-d",
-            "0.2",
-            "-f",
-            "collapsed",
-            "-o",
-            out.to_str().unwrap(),
-        ]);
-        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-        self.wait_agent_gone();
-        self.settled_threads()
-    }
-
-    /// Waits until the agent has left: not mapped, no thread of ours.
-    fn wait_agent_gone(&self) {
-        wait_for(Duration::from_secs(10), || {
-            !self.agent_mapped() && !self.threads().iter().any(|t| t.starts_with("corsnap"))
-        })
-        .unwrap_or_else(|| panic!("agent still present: threads {:?}", self.threads()));
-    }
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn wait_for(limit: Duration, mut condition: impl FnMut() -> bool) -> Option<()> {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if condition() {
-            return Some(());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    None
+/// The threads to compare against after a detach. The runtime keeps one
+/// thread of its own after the first detach (its profiler-detach thread,
+/// named after the diagnostics thread that started it), so the baseline
+/// is taken after one attach and detach.
+fn baseline_after_one_cycle(service: &Service) -> Vec<String> {
+    let out = scratch(&format!("warmup-{}", service.pid)).join("p.txt");
+    let output = corsnap(&[
+        "record",
+        "--pid",
+        &service.pid.to_string(),
+        "-d",
+        "0.2",
+        "-f",
+        "collapsed",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    service.wait_agent_gone();
+    service.settled_threads()
 }
 
 fn corsnap(args: &[&str]) -> std::process::Output {
@@ -152,7 +39,7 @@ fn corsnap(args: &[&str]) -> std::process::Output {
 #[test]
 fn recording_a_running_service_by_pid_finds_its_busy_method_and_leaves_no_trace() {
     let mut service = Service::start(&[]);
-    let before = service.baseline_after_one_cycle();
+    let before = baseline_after_one_cycle(&service);
     let dir = scratch("attach-record");
     let out = dir.join("p.txt");
     let output = corsnap(&[
@@ -185,7 +72,7 @@ fn recording_a_running_service_by_pid_finds_its_busy_method_and_leaves_no_trace(
 
 #[test]
 fn attach_and_detach_work_on_core31() {
-    let service = Service::start_on(Runtime::Core31, &[]);
+    let service = Service::start_program(Runtime::Core31, "service", &["120"], &[]);
     let out = scratch("attach-31").join("p.txt");
     let output = corsnap(&[
         "record",
@@ -208,7 +95,7 @@ fn attach_and_detach_work_on_core31() {
 #[test]
 fn twenty_attach_record_detach_cycles_leave_the_process_as_it_was() {
     let mut service = Service::start(&[]);
-    let before = service.baseline_after_one_cycle();
+    let before = baseline_after_one_cycle(&service);
     let dir = scratch("attach-cycles");
     for cycle in 1..=20 {
         let out = dir.join(format!("p{cycle}.txt"));
@@ -274,7 +161,7 @@ fn dump_prints_every_managed_thread_leaf_first() {
 #[test]
 fn a_cli_killed_mid_recording_leaves_the_process_running_and_detached() {
     let mut service = Service::start(&[]);
-    let before = service.baseline_after_one_cycle();
+    let before = baseline_after_one_cycle(&service);
     let dir = scratch("attach-sigkill");
     let log = dir.join("agent.log");
     let mut cli = Command::new(corsnap_bin())

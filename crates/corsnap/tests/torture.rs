@@ -6,13 +6,10 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use support::{compiled, corsnap_bin, count_with, describe, parse_collapsed, scratch, Runtime};
+use support::{compiled, corsnap_bin, count_with, describe, parse_collapsed, scratch, Runtime, Service};
 
 /// Waits for `child` at most `limit`; a run that takes longer is killed and
 /// reported as the deadlock it most likely is.
@@ -147,78 +144,14 @@ fn a_program_killed_in_the_middle_of_sampling_still_gets_its_profile_written() {
     assert!(count_with(&stacks, "Storm.Allocate") > 0, "samples before the kill are kept:\n{}", describe(&stacks));
 }
 
-/// `storm.dll all`, running until dropped.
-struct StormService {
-    child: Child,
-    pid: u32,
-    heartbeats: Arc<AtomicU64>,
-}
-
-impl StormService {
-    fn start(seconds: &str) -> StormService {
-        let dll = compiled("storm", Runtime::Net8);
-        let mut child = Command::new(Runtime::Net8.dotnet())
-            .arg(&dll)
-            .args(["all", seconds])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let ready = lines.next().unwrap().unwrap();
-        let pid = ready.strip_prefix("ready ").unwrap().parse().unwrap();
-        let heartbeats = Arc::new(AtomicU64::new(0));
-        let count = heartbeats.clone();
-        std::thread::spawn(move || {
-            for line in lines.map_while(Result::ok) {
-                if line.starts_with("heartbeat") {
-                    count.fetch_add(1, Ordering::SeqCst);
-                }
-            }
-        });
-        StormService { child, pid, heartbeats }
-    }
-
-    fn agent_gone(&self) -> bool {
-        let maps = std::fs::read_to_string(format!("/proc/{}/maps", self.pid)).unwrap_or_default();
-        let threads = std::fs::read_dir(format!("/proc/{}/task", self.pid))
-            .map(|d| {
-                d.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-                    .any(|c| c.starts_with("corsnap"))
-            })
-            .unwrap_or(false);
-        !maps.contains("libcorsnap_agent") && !threads
-    }
-
-    fn wait_agent_gone(&self, what: &str) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !self.agent_gone() {
-            assert!(Instant::now() < deadline, "{what}: the agent did not leave");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn still_beating(&mut self) {
-        assert!(self.child.try_wait().unwrap().is_none(), "the storm service died");
-        let before = self.heartbeats.load(Ordering::SeqCst);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while self.heartbeats.load(Ordering::SeqCst) <= before {
-            assert!(Instant::now() < deadline, "the storm service stopped beating");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for StormService {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// `storm.dll all`: every storm at once, with a heartbeat.
+fn storm_service() -> Service {
+    Service::start_program(Runtime::Net8, "storm", &["all", "120"], &[])
 }
 
 #[test]
 fn attach_and_detach_in_a_loop_under_thread_churn_and_gc_storm() {
-    let mut service = StormService::start("120");
+    let mut service = storm_service();
     let dir = scratch("torture-attach-loop");
     let cycles = 10;
     for cycle in 1..=cycles {
@@ -248,15 +181,16 @@ fn attach_and_detach_in_a_loop_under_thread_churn_and_gc_storm() {
             .unwrap();
         let out = wait_with_deadline(child, Duration::from_secs(30), &format!("attach cycle {cycle}"));
         assert!(out.status.success(), "cycle {cycle}: {}", String::from_utf8_lossy(&out.stderr));
-        service.wait_agent_gone(&format!("cycle {cycle}"));
-        service.still_beating();
+        service.wait_agent_gone();
+        service.wait_heartbeats(1);
+        assert!(service.is_alive(), "the storm service died");
     }
     eprintln!("attach loop: survived {cycles} attach/record/detach cycles under churn and GC storm");
 }
 
 #[test]
 fn a_cli_killed_while_attaching_or_detaching_leaves_the_process_running() {
-    let mut service = StormService::start("120");
+    let mut service = storm_service();
     let dir = scratch("torture-kill-cli");
     // Kill points from before the attach request to the middle of the detach.
     for (i, delay_ms) in [0u64, 5, 20, 50, 120, 250, 320, 340, 400].iter().enumerate() {
@@ -270,8 +204,9 @@ fn a_cli_killed_while_attaching_or_detaching_leaves_the_process_running() {
         std::thread::sleep(Duration::from_millis(*delay_ms));
         let _ = cli.kill();
         let _ = cli.wait();
-        service.wait_agent_gone(&format!("CLI killed after {delay_ms} ms"));
-        service.still_beating();
+        service.wait_agent_gone();
+        service.wait_heartbeats(1);
+        assert!(service.is_alive(), "the storm service died");
     }
     // And the process still takes a new attach.
     let out = Command::new(corsnap_bin())
@@ -280,5 +215,5 @@ fn a_cli_killed_while_attaching_or_detaching_leaves_the_process_running() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    service.wait_agent_gone("final attach");
+    service.wait_agent_gone();
 }

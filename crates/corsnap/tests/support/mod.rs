@@ -8,10 +8,12 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::io::Write;
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::sync::{Mutex, OnceLock};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Runtime {
@@ -161,4 +163,118 @@ pub fn describe(stacks: &[Stack]) -> String {
     let mut sorted: Vec<_> = stacks.iter().collect();
     sorted.sort_by_key(|s| std::cmp::Reverse(s.count));
     sorted.iter().take(8).map(|s| format!("{:6} {}", s.count, s.frames.join(";"))).collect::<Vec<_>>().join("\n")
+}
+
+/// A running test program that prints `ready <pid>` first and then
+/// `heartbeat` lines; killed when dropped.
+#[derive(Debug)]
+pub struct Service {
+    child: Child,
+    pub pid: u32,
+    heartbeats: Arc<AtomicU64>,
+}
+
+impl Service {
+    /// `service.cs` for two minutes on .NET 8.
+    pub fn start(env: &[(&str, &str)]) -> Service {
+        Service::start_program(Runtime::Net8, "service", &["120"], env)
+    }
+
+    pub fn start_program(runtime: Runtime, program: &str, args: &[&str], env: &[(&str, &str)]) -> Service {
+        let dll = compiled(program, runtime);
+        let mut cmd = Command::new(runtime.dotnet());
+        cmd.env("DOTNET_SYSTEM_GLOBALIZATION_INVARIANT", "1");
+        cmd.arg(&dll).args(args).stdout(Stdio::piped()).stderr(Stdio::null()).stdin(Stdio::null());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        // Readiness handshake: the service prints its pid once it runs.
+        let ready = lines.next().expect("service printed nothing").unwrap();
+        let pid: u32 =
+            ready.strip_prefix("ready ").unwrap_or_else(|| panic!("unexpected first line {ready:?}")).parse().unwrap();
+        let heartbeats = Arc::new(AtomicU64::new(0));
+        let count = heartbeats.clone();
+        std::thread::spawn(move || {
+            for line in lines.map_while(Result::ok) {
+                if line.starts_with("heartbeat ") {
+                    count.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        });
+        Service { child, pid, heartbeats }
+    }
+
+    pub fn is_alive(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
+    /// Waits until `n` more heartbeats have arrived: the service still runs
+    /// and its stdout is intact.
+    pub fn wait_heartbeats(&self, n: u64) {
+        let start = self.heartbeats.load(Ordering::SeqCst);
+        wait_for(Duration::from_secs(10), || self.heartbeats.load(Ordering::SeqCst) >= start + n)
+            .unwrap_or_else(|| panic!("the service stopped beating"));
+    }
+
+    pub fn agent_mapped(&self) -> bool {
+        std::fs::read_to_string(format!("/proc/{}/maps", self.pid)).unwrap_or_default().contains("libcorsnap_agent")
+    }
+
+    /// Thread names, without the runtime's tiered-compilation worker, which
+    /// comes and goes by itself.
+    pub fn threads(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", self.pid))
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .map(|n| n.trim().to_string())
+            .filter(|n| n != ".NET Tiered Com")
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// The thread list once it has stopped changing (a runtime starting up,
+    /// or finishing a detach, still creates and names threads).
+    pub fn settled_threads(&self) -> Vec<String> {
+        let mut last = self.threads();
+        let mut stable_since = Instant::now();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline && stable_since.elapsed() < Duration::from_millis(500) {
+            std::thread::sleep(Duration::from_millis(50));
+            let now = self.threads();
+            if now != last {
+                last = now;
+                stable_since = Instant::now();
+            }
+        }
+        last
+    }
+
+    /// Waits until the agent has left: not mapped, no thread of ours.
+    pub fn wait_agent_gone(&self) {
+        wait_for(Duration::from_secs(10), || {
+            !self.agent_mapped() && !self.threads().iter().any(|t| t.starts_with("corsnap"))
+        })
+        .unwrap_or_else(|| panic!("agent still present: threads {:?}", self.threads()));
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn wait_for(limit: Duration, mut condition: impl FnMut() -> bool) -> Option<()> {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if condition() {
+            return Some(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
 }
