@@ -654,8 +654,9 @@ impl SamplerLoop {
         }
         let mut updates = Vec::new();
         let sent = &self.sent_threads;
+        let seen: HashMap<ThreadID, u32> = threads.iter().copied().collect();
         self.shared.threads.with_entries(threads.iter().map(|&(t, _)| t), |thread, entry| {
-            let seen_tid = threads.iter().find(|&&(t, _)| t == thread).map_or(0, |&(_, tid)| tid);
+            let seen_tid = seen.get(&thread).copied().unwrap_or(0);
             let (version, name, registry_tid) =
                 entry.map_or((0, String::new(), 0), |e| (e.version, e.name.clone(), e.os_tid));
             let os_tid = if seen_tid != 0 { seen_tid } else { registry_tid };
