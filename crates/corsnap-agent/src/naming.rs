@@ -15,7 +15,7 @@ pub fn name_from_utf16(units: &[u16]) -> String {
         .collect();
     if name.chars().count() > MAX_NAME_CHARS {
         name = name.chars().take(MAX_NAME_CHARS).collect();
-        name.push_str("…");
+        name.push('…');
     }
     name
 }
