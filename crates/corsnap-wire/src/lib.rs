@@ -555,6 +555,11 @@ impl<'a> Reader<'a> {
     }
     fn string(&mut self) -> Result<String, DecodeError> {
         let n = self.u32()? as usize;
+        // `Writer::str` never writes more, so a longer string would not
+        // survive a decode/encode round trip (the fuzz target's property).
+        if n > MAX_STRING_LEN {
+            return Err(DecodeError::BadValue("string length"));
+        }
         let b = self.take(n)?;
         String::from_utf8(b.to_vec()).map_err(|_| DecodeError::BadUtf8)
     }
@@ -669,7 +674,10 @@ impl AttachRequest {
             return None;
         }
         let text = std::str::from_utf8(data).ok()?;
-        let mut lines = text.lines();
+        // Split on '\n' only, as `encode` joins: `lines()` would also eat a
+        // '\r' before it, so a path ending in '\r' changed in a round trip
+        // (found by fuzz/fuzz_targets/control_command.rs).
+        let mut lines = text.split_terminator('\n');
         if lines.next()? != ATTACH_MAGIC {
             return None;
         }

@@ -1,5 +1,6 @@
 //! Interactive SVG flame graph, drawn by inferno from the collapsed stacks.
 
+use std::collections::BTreeMap;
 use std::io::{self, BufWriter, Write};
 
 use inferno::flamegraph::{self, Options};
@@ -27,7 +28,8 @@ impl ProfileWriter for FlamegraphWriter {
             return out.flush();
         }
 
-        let lines: Vec<String> = stacks.iter().map(|(stack, weight)| format!("{stack} {weight}")).collect();
+        let shift = weight_shift(&stacks);
+        let lines: Vec<String> = stacks.iter().map(|(stack, weight)| format!("{stack} {}", weight >> shift)).collect();
         let mut inferno_options = Options::default();
         inferno_options.title = title;
         inferno_options.count_name = "samples".to_string();
@@ -39,6 +41,20 @@ impl ProfileWriter for FlamegraphWriter {
         flamegraph::from_lines(&mut inferno_options, lines.iter().map(String::as_str), &mut out)?;
         out.flush()
     }
+}
+
+/// inferno adds all counts up in a `usize`, which weights from a damaged or
+/// hostile raw recording can overflow (found by fuzz/fuzz_targets/raw_recording.rs).
+/// Returns how many times to halve every weight so the total fits: the
+/// picture keeps its proportions, and real profiles (totals far below 2^64)
+/// are drawn unchanged.
+fn weight_shift(stacks: &BTreeMap<String, u64>) -> u32 {
+    let total: u128 = stacks.values().map(|&weight| u128::from(weight)).sum();
+    let mut shift = 0;
+    while total >> shift > usize::MAX as u128 {
+        shift += 1;
+    }
+    shift
 }
 
 fn write_no_samples_svg(title: &str, out: &mut dyn Write) -> io::Result<()> {

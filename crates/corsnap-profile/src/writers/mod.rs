@@ -124,7 +124,9 @@ pub(crate) fn collapsed_stacks(profile: &Profile, options: &WriteOptions) -> BTr
     let mut weight_by_stack: HashMap<(Option<ThreadIdx>, StackIdx), u64> = HashMap::new();
     for sample in &profile.samples {
         let thread = options.threads.then_some(sample.thread);
-        *weight_by_stack.entry((thread, sample.stack)).or_default() += sample.weight;
+        // Saturating: a damaged or hostile raw recording can carry any weight.
+        let sum = weight_by_stack.entry((thread, sample.stack)).or_default();
+        *sum = sum.saturating_add(sample.weight);
     }
 
     let mut folded = BTreeMap::new();
@@ -142,7 +144,8 @@ pub(crate) fn collapsed_stacks(profile: &Profile, options: &WriteOptions) -> BTr
         }
         // Distinct stacks can collide once names are sanitised; they then
         // share one line, as they would if a reader had folded them itself.
-        *folded.entry(line.clone()).or_default() += weight;
+        let sum = folded.entry(line.clone()).or_default();
+        *sum = u64::saturating_add(*sum, weight);
     }
     folded
 }

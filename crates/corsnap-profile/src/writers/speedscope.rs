@@ -47,7 +47,7 @@ fn speedscope_document(profile: &Profile, title: &str) -> Value {
                 })
                 .collect();
             let weights: Vec<u64> = samples.iter().map(|sample| sample.weight).collect();
-            let total_weight: u64 = weights.iter().sum();
+            let total_weight = weights.iter().fold(0u64, |sum, &weight| sum.saturating_add(weight));
             json!({
                 "endValue": total_weight,
                 "name": profile.threads[thread].label(),
