@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 . "${CORSNAP_DEPS:-$HOME/.cache/corsnap}/env.sh"
+# Strict lints and formatting first (inferno's habit): cheap, and they fail fast.
+cargo fmt --all -- --check
+cargo clippy --release --workspace --all-targets --quiet -- -D warnings
 # The end-to-end tests find the agent next to the corsnap binary, so both
 # must be built (cargo test alone would not build the cdylib).
 cargo build --release --workspace --quiet
