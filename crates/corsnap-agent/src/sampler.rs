@@ -269,6 +269,8 @@ struct StackRecord {
     end: usize,
     truncated: bool,
     status: HRESULT,
+    /// The thread's CPU clock, read while it is stopped (0 if not wanted).
+    cpu_ns: u64,
 }
 
 /// Buffers filled while the runtime is suspended. Sized once, so the walk
@@ -473,6 +475,11 @@ impl SamplerLoop {
     /// logging: a stopped thread could be holding whatever we would wait on.
     fn walk_all_suspended(&mut self) {
         let info = self.shared.info;
+        // A stopped thread's CPU clock is cheap to read (a running one's
+        // makes the kernel lock the runqueue of the CPU it runs on), and
+        // reading it here ends the interval exactly at the sample. A system
+        // call: no lock of the process's, no allocation.
+        let read_cpu = self.shared.records(EventKind::Cpu);
         let TickBuffers { threads, frames, stacks } = &mut self.buffers;
         frames.clear();
         stacks.clear();
@@ -491,7 +498,8 @@ impl SamplerLoop {
                 frames.push(function as u64);
                 true
             });
-            stacks.push(StackRecord { thread, os_tid, start, end: frames.len(), truncated, status });
+            let cpu_ns = if read_cpu { corsnap_abi::thread_cpu_time_ns(os_tid).unwrap_or(0) } else { 0 };
+            stacks.push(StackRecord { thread, os_tid, start, end: frames.len(), truncated, status, cpu_ns });
         }
     }
 
@@ -531,8 +539,7 @@ impl SamplerLoop {
             if record.start == record.end {
                 continue;
             }
-            let cpu_weight =
-                if cpu { self.cpu_since_last_sample(record.thread, record.os_tid, since_last_tick) } else { 0 };
+            let cpu_weight = if cpu { self.cpu_since_last_sample(record, since_last_tick) } else { 0 };
             if cpu_weight == 0 && !wall {
                 // Idle since its last sample: not part of a CPU profile.
                 continue;
@@ -564,8 +571,11 @@ impl SamplerLoop {
 
     /// CPU time `thread` used since its previous sample, from its CPU clock.
     /// On first sight, its CPU time so far, but no more than one interval.
-    fn cpu_since_last_sample(&mut self, thread: ThreadID, os_tid: u32, interval_ns: u64) -> u64 {
-        let Some(now) = corsnap_abi::thread_cpu_time_ns(os_tid) else { return 0 };
+    fn cpu_since_last_sample(&mut self, record: &StackRecord, interval_ns: u64) -> u64 {
+        let (thread, os_tid, now) = (record.thread, record.os_tid, record.cpu_ns);
+        if now == 0 {
+            return 0;
+        }
         if self.cpu_clock.len() >= CACHE_CAP {
             self.cpu_clock.clear();
             self.own_cache_resets += 1;
