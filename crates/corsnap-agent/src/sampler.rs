@@ -357,12 +357,8 @@ impl SamplerLoop {
             }
             // Events queued by callbacks are sent at least this often.
             let drain_by = Instant::now() + SEND_EVERY;
-            let deadline = match next_tick {
-                Some(t) if self.records_events => Some(t.min(drain_by)),
-                Some(t) => Some(t),
-                None if self.records_events => Some(drain_by),
-                None => None,
-            };
+            let deadline =
+                if self.records_events { Some(next_tick.map_or(drain_by, |t| t.min(drain_by))) } else { next_tick };
             let wake = self.shared.signal.wait(deadline);
             if let Some(reason) = wake.stop {
                 break reason;
