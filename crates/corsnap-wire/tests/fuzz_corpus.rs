@@ -1,75 +1,20 @@
 //! Smoke run of the `wire_message` and `control_command` fuzz targets on
 //! stable, without libFuzzer: every file of their corpora (including the
 //! inputs that once failed), then deterministic pseudo-random inputs. The
-//! bodies below are the targets' own (`fuzz/fuzz_targets/*.rs`); keep them
-//! in step.
+//! bodies are the targets' own, from `fuzz/bodies/`.
 
 #[path = "../../../fuzz/replay.rs"]
 mod replay;
 
-use corsnap_wire::{read_command, read_message, AttachRequest, Command, Message};
+#[path = "../../../fuzz/bodies/control_command.rs"]
+mod control_command_body;
+#[path = "../../../fuzz/bodies/wire_message.rs"]
+mod wire_message_body;
 
-/// `AttachRequest::decode` declines client data longer than this.
-const ATTACH_LIMIT: usize = 8192;
+use corsnap_wire::{AttachRequest, Message};
 
-fn message_round_trip(msg: &Message) {
-    let mut buf = Vec::new();
-    msg.encode_into(&mut buf);
-    let again = Message::decode(&buf[4..]).expect("a message we encoded must decode");
-    assert_eq!(&again, msg, "message changed in an encode/decode round trip");
-    let mut framed = &buf[..];
-    let read = read_message(&mut framed, &mut Vec::new()).expect("a framed message must read");
-    assert_eq!(read.as_ref(), Some(msg));
-    assert!(framed.is_empty());
-}
-
-/// The `wire_message` target; returns how many messages decoded.
-fn wire_message(data: &[u8]) -> usize {
-    let mut decoded = 0;
-    if let Ok(msg) = Message::decode(data) {
-        message_round_trip(&msg);
-        decoded += 1;
-    }
-    let mut input = data;
-    let mut scratch = Vec::new();
-    while let Ok(Some(msg)) = read_message(&mut input, &mut scratch) {
-        message_round_trip(&msg);
-        decoded += 1;
-    }
-    decoded
-}
-
-fn command_round_trip(cmd: Command) {
-    let mut buf = Vec::new();
-    cmd.encode_into(&mut buf);
-    assert!(buf.len() - 4 <= corsnap_wire::MAX_COMMAND_LEN as usize);
-    assert_eq!(Command::decode(&buf[4..]), Ok(cmd));
-}
-
-/// The `control_command` target; returns how many commands and requests decoded.
-fn control_command(data: &[u8]) -> usize {
-    let mut decoded = 0;
-    let mut input = data;
-    while let Ok(Some(result)) = read_command(&mut input) {
-        if let Ok(cmd) = result {
-            command_round_trip(cmd);
-            decoded += 1;
-        }
-    }
-    if let Ok(cmd) = Command::decode(data) {
-        command_round_trip(cmd);
-        decoded += 1;
-    }
-    if let Some(request) = AttachRequest::decode(data) {
-        let encoded = request.encode();
-        // The canonical form can be one byte longer than the input (the last
-        // newline), and anything over the 8 KiB limit is declined.
-        let expected = (encoded.len() <= ATTACH_LIMIT).then_some(request);
-        assert_eq!(AttachRequest::decode(&encoded), expected, "attach request changed in a round trip");
-        decoded += 1;
-    }
-    decoded
-}
+use control_command_body::run as control_command;
+use wire_message_body::run as wire_message;
 
 #[test]
 fn wire_message_corpus_replays() {

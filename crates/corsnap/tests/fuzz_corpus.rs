@@ -1,67 +1,18 @@
 //! Smoke run of the `raw_recording` and `diagnostics_response` fuzz targets
 //! on stable, without libFuzzer: every file of their corpora (including the
 //! inputs that once failed), then deterministic pseudo-random inputs. The
-//! bodies below are the targets' own (`fuzz/fuzz_targets/*.rs`); keep them
-//! in step.
+//! bodies are the targets' own, from `fuzz/bodies/`.
 
 #[path = "../../../fuzz/replay.rs"]
 mod replay;
 
-use corsnap_profile::writers::{writer_for, Format, WriteOptions};
-use corsnap_profile::{Profile, ProfileBuilder};
-use corsnap_wire::{read_message, read_raw_header, write_raw_header};
+#[path = "../../../fuzz/bodies/diagnostics_response.rs"]
+mod diagnostics_response_body;
+#[path = "../../../fuzz/bodies/raw_recording.rs"]
+mod raw_recording_body;
 
-/// What `corsnap report` does with a file; returns the number of samples.
-fn report(file: &[u8], threads: bool) -> usize {
-    let mut input = file;
-    if read_raw_header(&mut input).is_err() {
-        return 0;
-    }
-    let mut builder = ProfileBuilder::new();
-    let mut scratch = Vec::new();
-    while let Ok(Some(msg)) = read_message(&mut input, &mut scratch) {
-        builder.apply(&msg);
-    }
-    let samples = builder.sample_count();
-    let profile = builder.finish();
-    let kinds = profile.kinds();
-    let options = WriteOptions { threads, ..WriteOptions::default() };
-    for &format in Format::all() {
-        // As `Outputs::write`: pprof holds every kind, the others get one
-        // profile per kind (or the whole profile when there is at most one).
-        let profiles: Vec<Profile> = if format.holds_many_kinds() || kinds.is_empty() {
-            vec![profile.clone()]
-        } else {
-            kinds.iter().map(|&kind| profile.only(kind)).collect()
-        };
-        for p in &profiles {
-            let _ = writer_for(format).write(p, &options, &mut Vec::new());
-        }
-    }
-    samples
-}
-
-/// The `raw_recording` target: an even first byte puts a valid header first.
-fn raw_recording(data: &[u8]) -> usize {
-    let Some((&mode, rest)) = data.split_first() else {
-        return 0;
-    };
-    let mut file = Vec::with_capacity(12 + rest.len());
-    if mode & 1 == 0 {
-        write_raw_header(&mut file).unwrap();
-    }
-    file.extend_from_slice(rest);
-    report(&file, mode & 2 != 0)
-}
-
-/// The `diagnostics_response` target; returns whether the response was accepted.
-fn diagnostics_response(data: &[u8]) -> bool {
-    let result = corsnap::diagnostics::decode_response(data);
-    if result.is_ok() {
-        assert!(data.len() >= 24 && data.starts_with(b"DOTNET_IPC_V1\0"));
-    }
-    result.is_ok()
-}
+use diagnostics_response_body::run as diagnostics_response;
+use raw_recording_body::run as raw_recording;
 
 #[test]
 fn raw_recording_corpus_replays() {
