@@ -16,20 +16,19 @@ use support::{compiled, corsnap_bin, count_with, describe, parse_collapsed, scra
 /// is taken after one attach and detach.
 fn baseline_after_one_cycle(service: &Service) -> Vec<String> {
     let out = scratch(&format!("warmup-{}", service.pid)).join("p.txt");
-    let output = corsnap(&[
-        "record",
-        "--pid",
-        &service.pid.to_string(),
-        "-d",
-        "0.2",
-        "-f",
-        "collapsed",
-        "-o",
-        out.to_str().unwrap(),
-    ]);
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    record_pid(&service, "0.2", &[], &out);
     service.wait_agent_gone();
     service.settled_threads()
+}
+
+/// `corsnap record --pid` for `seconds` into collapsed stacks at `out`
+/// (per-kind files when `extra` asks for several events); the run must succeed.
+fn record_pid(service: &Service, seconds: &str, extra: &[&str], out: &Path) {
+    let pid = service.pid.to_string();
+    let mut args = vec!["record", "--pid", &pid, "-d", seconds, "-f", "collapsed", "-o", out.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let output = corsnap(&args);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
 }
 
 fn corsnap(args: &[&str]) -> std::process::Output {
@@ -42,19 +41,7 @@ fn recording_a_running_service_by_pid_finds_its_busy_method_and_leaves_no_trace(
     let before = baseline_after_one_cycle(&service);
     let dir = scratch("attach-record");
     let out = dir.join("p.txt");
-    let output = corsnap(&[
-        "record",
-        "--pid",
-        &service.pid.to_string(),
-        "-d",
-        "1.5",
-        "--threads",
-        "-f",
-        "collapsed",
-        "-o",
-        out.to_str().unwrap(),
-    ]);
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    record_pid(&service, "1.5", &["--threads"], &out);
     let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
     let crunch = count_with(&stacks, "Service.Crunch");
     assert!(crunch >= 100, "{}", describe(&stacks));
@@ -74,18 +61,7 @@ fn recording_a_running_service_by_pid_finds_its_busy_method_and_leaves_no_trace(
 fn attach_and_detach_work_on_core31() {
     let service = Service::start_program(Runtime::Core31, "service", &["120"], &[]);
     let out = scratch("attach-31").join("p.txt");
-    let output = corsnap(&[
-        "record",
-        "--pid",
-        &service.pid.to_string(),
-        "-d",
-        "1",
-        "-f",
-        "collapsed",
-        "-o",
-        out.to_str().unwrap(),
-    ]);
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    record_pid(&service, "1", &[], &out);
     let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
     assert!(count_with(&stacks, "Service.Crunch") >= 50, "{}", describe(&stacks));
     service.wait_agent_gone();
@@ -268,22 +244,7 @@ fn event_profiles_work_after_an_attach() {
     let service = Service::start(&[]);
     let dir = scratch("attach-events");
     let out = dir.join("p.txt");
-    let output = corsnap(&[
-        "record",
-        "--pid",
-        &service.pid.to_string(),
-        "-d",
-        "1.5",
-        "-e",
-        "cpu",
-        "-e",
-        "exceptions",
-        "-f",
-        "collapsed",
-        "-o",
-        out.to_str().unwrap(),
-    ]);
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    record_pid(&service, "1.5", &["-e", "cpu", "-e", "exceptions"], &out);
     let exceptions = parse_collapsed(&std::fs::read_to_string(dir.join("p.exceptions.txt")).unwrap());
     let beats: u64 = exceptions
         .iter()
