@@ -16,7 +16,7 @@ use support::{compiled, corsnap_bin, count_with, describe, parse_collapsed, scra
 /// is taken after one attach and detach.
 fn baseline_after_one_cycle(service: &Service) -> Vec<String> {
     let out = scratch(&format!("warmup-{}", service.pid)).join("p.txt");
-    record_pid(&service, "0.2", &[], &out);
+    record_pid(service, "0.2", &[], &out);
     service.wait_agent_gone();
     service.settled_threads()
 }
