@@ -360,3 +360,41 @@ fn pprof_holds_one_sample_type_per_event_kind() {
     assert_eq!(profile.total(exceptions), 1500);
     assert!(profile.function_names.iter().any(|f| f == "Faults.Thrower.First"));
 }
+
+#[test]
+fn ctrl_c_stops_the_recording_and_writes_what_was_collected() {
+    use std::os::unix::process::CommandExt;
+    let dir = scratch("ctrl-c");
+    let out = dir.join("p.txt");
+    let log = dir.join("agent.log");
+    // Its own process group, as a shell gives a foreground job: Ctrl-C goes
+    // to corsnap and the program alike.
+    let child = Command::new(support::corsnap_bin())
+        .args(["record", "-f", "collapsed", "-o"])
+        .arg(&out)
+        .arg("--agent-log")
+        .arg(&log)
+        .arg("--")
+        .arg(Runtime::Net8.dotnet())
+        .arg(support::compiled("split", Runtime::Net8))
+        .arg("60")
+        .process_group(0)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while !std::fs::read_to_string(&log).unwrap_or_default().contains("started") {
+        assert!(started.elapsed().as_secs() < 20, "the agent never started");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(1000));
+    let group = format!("-{}", child.id());
+    assert!(Command::new("kill").args(["-INT", "--", &group]).status().unwrap().success());
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(started.elapsed().as_secs() < 30, "Ctrl-C ended the run");
+    assert!(stderr.contains("corsnap: wrote"), "{stderr}");
+    let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
+    assert!(count_with(&stacks, "Split.Heavy") > 0, "{}", describe(&stacks));
+}
