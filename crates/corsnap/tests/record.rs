@@ -398,3 +398,23 @@ fn ctrl_c_stops_the_recording_and_writes_what_was_collected() {
     let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
     assert!(count_with(&stacks, "Split.Heavy") > 0, "{}", describe(&stacks));
 }
+
+#[test]
+fn a_terminal_gets_a_live_status_line_and_a_pipe_does_not() {
+    let dir = scratch("status-line");
+    let out = dir.join("p.txt");
+    let cmd = format!(
+        "{} record -f collapsed -o {} -- {} {} 1",
+        support::corsnap_bin().display(),
+        out.display(),
+        Runtime::Net8.dotnet().display(),
+        support::compiled("split", Runtime::Net8).display()
+    );
+    // `script` runs the command on a pseudo-terminal.
+    let output = Command::new("script").args(["-qec", &cmd, "/dev/null"]).output().unwrap();
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{text}");
+    assert!(text.contains("corsnap: recording ") && text.contains(" samples, 1 threads (Ctrl-C to stop)"), "{text}");
+    let piped = record(Runtime::Net8, "split", &["1"], &["-f", "collapsed", "-o", out.to_str().unwrap()], None);
+    assert!(!String::from_utf8_lossy(&piped.stderr).contains("corsnap: recording "));
+}
