@@ -23,6 +23,10 @@ pub struct ProfileBuilder {
     /// Samples whose `ThreadID` was never described get this thread.
     unknown_threads: HashMap<u64, ThreadIdx>,
     scratch: Vec<FrameIdx>,
+    /// `[native code]` and `[truncated]`, interned when first needed (not
+    /// before: a profile without them must not list them).
+    native_frame: Option<FrameIdx>,
+    truncated_frame: Option<FrameIdx>,
     notices: Vec<(Severity, String)>,
     goodbye: Option<String>,
     saw_hello: bool,
@@ -96,41 +100,46 @@ impl ProfileBuilder {
         let mut stack = std::mem::take(&mut self.scratch);
         stack.clear();
         if !leaf.is_empty() {
-            stack.push(self.profile.intern_frame(Frame {
-                name: leaf.to_string(),
-                module: String::new(),
-                kind: FrameKind::Subject,
-            }));
+            stack.push(self.synthetic_frame(leaf.to_string(), FrameKind::Subject));
         }
         for &function_id in frames {
             let idx = match function_id {
-                0 => self.profile.intern_frame(Frame {
-                    name: NATIVE_FRAME.to_string(),
-                    module: String::new(),
-                    kind: FrameKind::Native,
-                }),
+                0 => self.marker_frame(NATIVE_FRAME, FrameKind::Native),
                 id => match self.functions.get(&id) {
                     Some(&idx) => idx,
-                    None => self.profile.intern_frame(Frame {
-                        name: format!("[unknown function 0x{id:x}]"),
-                        module: String::new(),
-                        kind: FrameKind::Unresolved,
-                    }),
+                    None => self.synthetic_frame(format!("[unknown function 0x{id:x}]"), FrameKind::Unresolved),
                 },
             };
             stack.push(idx);
         }
         if truncated {
-            stack.push(self.profile.intern_frame(Frame {
-                name: TRUNCATED_FRAME.to_string(),
-                module: String::new(),
-                kind: FrameKind::Truncated,
-            }));
+            stack.push(self.marker_frame(TRUNCATED_FRAME, FrameKind::Truncated));
         }
         let stack_idx = self.profile.intern_stack(&stack);
         self.scratch = stack;
         let thread = self.thread_for(thread_id);
         self.profile.samples.push(Sample { time_ns, thread, stack: stack_idx, weight, kind });
+    }
+
+    /// `[native code]` or `[truncated]`, interned once rather than looked up
+    /// (with a fresh `String`) for every frame of every sample.
+    fn marker_frame(&mut self, name: &str, kind: FrameKind) -> FrameIdx {
+        let cached = if kind == FrameKind::Native { self.native_frame } else { self.truncated_frame };
+        if let Some(idx) = cached {
+            return idx;
+        }
+        let idx = self.synthetic_frame(name.to_string(), kind);
+        if kind == FrameKind::Native {
+            self.native_frame = Some(idx);
+        } else {
+            self.truncated_frame = Some(idx);
+        }
+        idx
+    }
+
+    /// A frame that is not a managed method: no module.
+    fn synthetic_frame(&mut self, name: String, kind: FrameKind) -> FrameIdx {
+        self.profile.intern_frame(Frame { name, module: String::new(), kind })
     }
 
     fn thread_for(&mut self, thread_id: u64) -> ThreadIdx {
@@ -184,39 +193,19 @@ impl ProfileBuilder {
 mod tests {
     use super::*;
 
+    fn cpu_sample(time_ns: u64, thread_id: u64, truncated: bool, frames: Vec<u64>) -> Message {
+        Message::Sample { time_ns, thread_id, kind: EventKind::Cpu, weight: 1, truncated, leaf: String::new(), frames }
+    }
+
     #[test]
     fn names_native_runs_and_threads_are_resolved() {
         let mut b = ProfileBuilder::new();
         b.apply(&Message::Thread { thread_id: 10, os_tid: 77, name: "worker".into() });
         b.apply(&Message::Function { function_id: 1, name: "A.Leaf".into(), module: "app.dll".into() });
         b.apply(&Message::Function { function_id: 2, name: "A.Main".into(), module: "app.dll".into() });
-        b.apply(&Message::Sample {
-            time_ns: 1,
-            thread_id: 10,
-            kind: EventKind::Cpu,
-            weight: 1,
-            truncated: false,
-            leaf: String::new(),
-            frames: vec![1, 0, 2],
-        });
-        b.apply(&Message::Sample {
-            time_ns: 2,
-            thread_id: 10,
-            kind: EventKind::Cpu,
-            weight: 1,
-            truncated: false,
-            leaf: String::new(),
-            frames: vec![1, 0, 2],
-        });
-        b.apply(&Message::Sample {
-            time_ns: 3,
-            thread_id: 99,
-            kind: EventKind::Cpu,
-            weight: 1,
-            truncated: true,
-            leaf: String::new(),
-            frames: vec![3],
-        });
+        b.apply(&cpu_sample(1, 10, false, vec![1, 0, 2]));
+        b.apply(&cpu_sample(2, 10, false, vec![1, 0, 2]));
+        b.apply(&cpu_sample(3, 99, true, vec![3]));
         let p = b.finish();
         assert_eq!(p.samples.len(), 3);
         assert_eq!(p.stacks.len(), 2, "identical stacks are interned once");
