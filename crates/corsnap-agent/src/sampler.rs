@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use corsnap_abi::{hr, send_all, FunctionID, NativeThread, ThreadID, HRESULT};
 use corsnap_wire::{EventKind, Message, SampleHead, SamplerStats};
 
+use crate::budget::PauseBudget;
 use crate::events::Subject;
 
 use crate::log;
@@ -311,11 +312,16 @@ struct SamplerLoop {
     records_events: bool,
     samples_on_timer: bool,
     own_cache_resets: u64,
+    pause_budget: PauseBudget,
+    /// Ticks the pause budget skipped since the last one taken: the next
+    /// wall samples stand for them too.
+    ticks_owed: u64,
 }
 
 impl SamplerLoop {
     fn new(shared: Arc<Shared>, channel: Channel) -> Self {
         let names = NameResolver::new(shared.clone());
+        let max_pause_ppm = shared.max_pause_ppm;
         let samples_on_timer = shared.records(EventKind::Cpu) || shared.records(EventKind::Wall);
         let records_events = [EventKind::Exceptions, EventKind::Gc, EventKind::ClassLoad, EventKind::Alloc]
             .iter()
@@ -338,6 +344,8 @@ impl SamplerLoop {
             records_events,
             samples_on_timer,
             own_cache_resets: 0,
+            pause_budget: PauseBudget::new(u64::from(max_pause_ppm), crate::budget::CAPACITY_NS),
+            ticks_owed: 0,
         }
     }
 
@@ -374,7 +382,12 @@ impl SamplerLoop {
                 if now >= due {
                     // The first samples go out at once: the user is waiting.
                     send_now |= self.stats.samples == 0;
-                    self.tick(false);
+                    if self.pause_budget.allows(now.duration_since(self.started).as_nanos() as u64) {
+                        self.tick(false);
+                    } else {
+                        self.stats.throttled_ticks += 1;
+                        self.ticks_owed += 1;
+                    }
                     // Behind (a long tick, a descheduled thread): do not burst.
                     next_tick = Some((due + self.jittered_interval(rate)).max(now));
                 }
@@ -458,6 +471,10 @@ impl SamplerLoop {
         }
 
         let ns = |d: Duration| d.as_nanos() as u64;
+        // Charged until the threads are released. A slow `ResumeRuntime` is
+        // this thread losing its CPU to the threads it has just woken (8 busy
+        // threads on 2 cores: 2 to 15 ms), while the program runs.
+        self.pause_budget.spend(ns(t2 - t0));
         self.stats.ticks += 1;
         self.stats.suspend_ns += ns(t1 - t0);
         self.stats.walk_ns += ns(t2 - t1);
@@ -508,6 +525,7 @@ impl SamplerLoop {
         self.describe_threads(&walked);
         let cpu = self.shared.records(EventKind::Cpu) && !snapshot;
         let wall = self.shared.records(EventKind::Wall) || snapshot;
+        let wall_weight = if snapshot { 1 } else { 1 + std::mem::take(&mut self.ticks_owed) };
         // Before the first tick, count one interval at the current rate.
         let since_last_tick = self.last_tick.map_or_else(
             || 1_000_000_000 / u64::from(self.shared.signal.rate().max(1)),
@@ -549,7 +567,8 @@ impl SamplerLoop {
             }
             self.stats.samples += 1;
             let frames = &self.buffers.frames[record.start..record.end];
-            for (kind, weight) in [(EventKind::Cpu, cpu_weight), (EventKind::Wall, u64::from(wall))] {
+            for (kind, weight) in [(EventKind::Cpu, cpu_weight), (EventKind::Wall, if wall { wall_weight } else { 0 })]
+            {
                 if weight > 0 {
                     let head = SampleHead {
                         time_ns,

@@ -27,6 +27,11 @@ pub const RAW_VERSION: u32 = 1;
 pub const ENV_SOCKET: &str = "CORSNAP_SOCKET";
 /// Sampling rate for a launched agent, in Hz.
 pub const ENV_RATE: &str = "CORSNAP_RATE_HZ";
+/// Most of the program's wall time, in parts per million, that slow ticks
+/// may keep it stopped for (see the agent's pause budget).
+pub const ENV_MAX_PAUSE: &str = "CORSNAP_MAX_PAUSE_PPM";
+/// The default of [`ENV_MAX_PAUSE`]: 2%.
+pub const DEFAULT_MAX_PAUSE_PPM: u32 = 20_000;
 /// Path of the agent's own log file; unset means the agent logs nothing.
 pub const ENV_LOG: &str = "CORSNAP_AGENT_LOG";
 
@@ -76,6 +81,9 @@ pub struct SamplerStats {
     /// Events (exceptions, allocations…) dropped because too many were
     /// waiting to be sent.
     pub events_dropped: u64,
+    /// Ticks that came due while the pause budget was spent, and were
+    /// skipped so that slow suspensions cannot stop the program for long.
+    pub throttled_ticks: u64,
 }
 
 /// Everything that travels from the agent to the CLI. `Recording` is written
@@ -405,8 +413,14 @@ impl Message {
                 Message::Sample { time_ns, thread_id, kind, weight, truncated, leaf, frames }
             }
             tag::STATS => {
+                // Older agents and recordings send fewer fields; the missing
+                // ones read as zero.
                 let mut v = [0u64; STATS_FIELDS];
-                for slot in &mut v {
+                let present = (r.rest.len() / 8).min(STATS_FIELDS);
+                if present < 18 {
+                    return Err(DecodeError::Truncated);
+                }
+                for slot in &mut v[..present] {
                     *slot = r.u64()?;
                 }
                 Message::Stats(stats_from_fields(v))
@@ -472,7 +486,7 @@ fn finish_frame(buf: &mut [u8], start: usize) {
     buf[start..start + 4].copy_from_slice(&len.to_le_bytes());
 }
 
-const STATS_FIELDS: usize = 18;
+const STATS_FIELDS: usize = 19;
 
 fn stats_fields(s: &SamplerStats) -> [u64; STATS_FIELDS] {
     [
@@ -494,6 +508,7 @@ fn stats_fields(s: &SamplerStats) -> [u64; STATS_FIELDS] {
         s.sampler_cpu_ns,
         s.cache_resets,
         s.events_dropped,
+        s.throttled_ticks,
     ]
 }
 
@@ -517,6 +532,7 @@ fn stats_from_fields(v: [u64; STATS_FIELDS]) -> SamplerStats {
         sampler_cpu_ns: v[15],
         cache_resets: v[16],
         events_dropped: v[17],
+        throttled_ticks: v[18],
     }
 }
 
@@ -653,6 +669,8 @@ pub struct AttachRequest {
     pub rate_hz: u32,
     /// [`EventKind::mask`] of what to record.
     pub events: u32,
+    /// See [`ENV_MAX_PAUSE`]; absent from a request, it is the default.
+    pub max_pause_ppm: u32,
     pub log: Option<String>,
 }
 
@@ -660,7 +678,10 @@ const ATTACH_MAGIC: &str = "corsnap-attach-v1";
 
 impl AttachRequest {
     pub fn encode(&self) -> Vec<u8> {
-        let mut s = format!("{ATTACH_MAGIC}\nsocket={}\nrate={}\nevents={}\n", self.socket, self.rate_hz, self.events);
+        let mut s = format!(
+            "{ATTACH_MAGIC}\nsocket={}\nrate={}\nevents={}\npause={}\n",
+            self.socket, self.rate_hz, self.events, self.max_pause_ppm
+        );
         if let Some(log) = &self.log {
             s.push_str(&format!("log={log}\n"));
         }
@@ -682,16 +703,18 @@ impl AttachRequest {
             return None;
         }
         let (mut socket, mut rate, mut log, mut events) = (None, None, None, None);
+        let mut max_pause_ppm = DEFAULT_MAX_PAUSE_PPM;
         for line in lines {
             match line.split_once('=')? {
                 ("socket", v) if !v.is_empty() => socket = Some(v.to_string()),
                 ("rate", v) => rate = Some(v.parse().ok()?),
                 ("events", v) => events = Some(v.parse().ok()?),
+                ("pause", v) => max_pause_ppm = v.parse().ok()?,
                 ("log", v) => log = Some(v.to_string()),
                 _ => return None,
             }
         }
-        Some(AttachRequest { socket: socket?, rate_hz: rate?, events: events?, log })
+        Some(AttachRequest { socket: socket?, rate_hz: rate?, events: events?, max_pause_ppm, log })
     }
 }
 
@@ -866,9 +889,12 @@ mod tests {
             socket: "/tmp/x/agent.sock".into(),
             rate_hz: 100,
             events: 5,
+            max_pause_ppm: 35_000,
             log: Some("/tmp/a.log".into()),
         };
         assert_eq!(AttachRequest::decode(&req.encode()), Some(req));
+        let without_pause = AttachRequest::decode(b"corsnap-attach-v1\nsocket=/s\nrate=5\nevents=1\n").unwrap();
+        assert_eq!(without_pause.max_pause_ppm, DEFAULT_MAX_PAUSE_PPM);
         assert_eq!(AttachRequest::decode(b"attach1;detach"), None);
         assert_eq!(AttachRequest::decode(b"corsnap-attach-v1\nrate=x\nsocket=/s\n"), None);
         assert_eq!(AttachRequest::decode(b"corsnap-attach-v1\nrate=5\n"), None);

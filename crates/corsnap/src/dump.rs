@@ -28,6 +28,7 @@ pub fn run(options: &DumpOptions) -> Result<()> {
         // Sampling stays paused: only the one snapshot is taken.
         rate_hz: 0,
         events: corsnap_wire::EventKind::Wall.bit(),
+        max_pause_ppm: corsnap_wire::DEFAULT_MAX_PAUSE_PPM,
         log: options.agent_log.as_ref().map(|p| crate::record::absolute(p).to_string_lossy().into_owned()),
     };
     let connection = crate::record::attach(options.pid, &agent, &listener, &request)?;

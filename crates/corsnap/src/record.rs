@@ -42,6 +42,8 @@ pub struct RecordOptions {
     pub stats: bool,
     /// What to record; each kind becomes its own profile.
     pub events: Vec<EventKind>,
+    /// The pause budget, in parts per million of wall time.
+    pub max_pause_ppm: u32,
 }
 
 /// The collections, as totals per generation and a list.
@@ -146,6 +148,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                 socket: listener.socket_path().to_string_lossy().into_owned(),
                 rate_hz: options.rate_hz,
                 events: EventKind::mask(&options.events),
+                max_pause_ppm: options.max_pause_ppm,
                 log: options.agent_log.as_deref().map(|p| absolute(p).to_string_lossy().into_owned()),
             };
             let connection = attach(*pid, &agent, &listener, &request).map_err(cleanup_output)?;
@@ -272,6 +275,16 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     if options.events.contains(&EventKind::Gc) {
         eprint!("{}", describe_gcs(&profile.gcs));
     }
+    if let Some(stats) = agent_stats.filter(|s| s.throttled_ticks > 0) {
+        eprintln!(
+            "corsnap: note: {} of {} ticks were skipped because the runtime was slow to stop (some phases of a \
+             program are, start-up above all) and pauses are kept under {}% of the time; the samples after a gap \
+             carry its time. --max-pause raises the limit.",
+            stats.throttled_ticks,
+            stats.throttled_ticks + stats.ticks,
+            f64::from(options.max_pause_ppm) / 10_000.0
+        );
+    }
     if let (true, Some(stats)) = (options.stats, agent_stats) {
         eprintln!("corsnap: {}", describe_stats(&stats));
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
@@ -319,6 +332,7 @@ fn launch(
         .env(corsnap_wire::ENV_SOCKET, listener.socket_path())
         .env(corsnap_wire::ENV_RATE, options.rate_hz.to_string());
     command.env(corsnap_wire::ENV_EVENTS, EventKind::mask(&options.events).to_string());
+    command.env(corsnap_wire::ENV_MAX_PAUSE, options.max_pause_ppm.to_string());
     if let Some(log) = &options.agent_log {
         command.env(corsnap_wire::ENV_LOG, absolute(log));
     }
@@ -411,11 +425,12 @@ pub fn describe_stats(s: &corsnap_wire::SamplerStats) -> String {
     let us = |ns: u64| ns as f64 / 1000.0;
     let mean = |ns: u64| if s.ticks == 0 { 0.0 } else { us(ns) / s.ticks as f64 };
     format!(
-        "agent: {} ticks ({} skipped); per tick median suspend {:.1} µs, walk {:.1} µs, resume {:.1} µs \
+        "agent: {} ticks ({} skipped, {} throttled); per tick median suspend {:.1} µs, walk {:.1} µs, resume {:.1} µs \
          (mean total {:.1} µs, p99 {:.1} µs, max {:.1} µs); sampler CPU {:.0} ms; {} stacks, {} walk errors, \
          {} truncated, {} names ({} unresolved); {} cache resets, {} events dropped",
         s.ticks,
         s.skipped_ticks,
+        s.throttled_ticks,
         us(s.suspend_p50_ns),
         us(s.walk_p50_ns),
         us(s.resume_p50_ns),

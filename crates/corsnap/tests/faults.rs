@@ -14,7 +14,9 @@ fn run_with_fault(fault: &str, program_seconds: &str) -> (String, String, Vec<su
     let out = dir.join("p.txt");
     let log = dir.join("agent.log");
     let output = Command::new(corsnap_bin())
-        .args(["record", "--stats", "--threads", "-e", "wall", "-f", "collapsed", "-o"])
+        // Every tick is taken (no pause budget): the counts below are about
+        // the faults, not about how hard the runtime is to stop.
+        .args(["record", "--stats", "--threads", "--max-pause", "100", "-e", "wall", "-f", "collapsed", "-o"])
         .arg(&out)
         .arg("--agent-log")
         .arg(&log)
