@@ -42,12 +42,15 @@ def main():
         print(f"  round {rnd + 1}/{args.rounds} done", file=sys.stderr)
 
     print(f"\nmedian of {args.rounds} interleaved rounds, {os.cpu_count()} CPUs\n")
-    print("| workload | no profiler | corsnap | slowdown | target |")
-    print("|---|---|---|---|---|")
-    for workload, target in (("exceptions", "10%"), ("alloc", "3%")):
+    print("| workload | no profiler | corsnap | slowdown | added per unit of work | target |")
+    print("|---|---|---|---|---|---|")
+    for workload, target, n, unit in (("exceptions", "10%", args.exceptions, "throw"),
+                                      ("alloc", "3%", args.allocs, "round")):
         base = statistics.median(results[(workload, False)])
         prof = statistics.median(results[(workload, True)])
-        print(f"| {workload} (`--event {workload}`) | {base:.0f} ms | {prof:.0f} ms | {prof / base:.3f} ({(prof / base - 1) * 100:+.1f}%) | {target} |")
+        added_us = (prof - base) * 1000 / n
+        print(f"| {workload} (`--event {workload}`) | {base:.0f} ms | {prof:.0f} ms | {prof / base:.3f} "
+              f"({(prof / base - 1) * 100:+.1f}%) | {added_us:.2f} µs per {unit} (of {base * 1000 / n:.2f}) | {target} |")
 
 
 if __name__ == "__main__":
