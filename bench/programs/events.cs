@@ -2,6 +2,9 @@
 // work took (start-up excluded).
 //   dotnet events.dll exceptions N   -- N throw/catch pairs, 4 frames deep
 //   dotnet events.dll alloc N        -- N rounds of building small object graphs
+//   dotnet events.dll requests N     -- N requests, each parsing 64 numbers out
+//                                       of text; every other request has a
+//                                       malformed one, and int.Parse throws
 using System;
 using System.Collections.Generic;
 using System.Diagnostics;
@@ -25,6 +28,35 @@ public static class Events
         for (long i = 0; i < n; i++)
         {
             try { Throw(4, (int)i); } catch (InvalidOperationException) { s_sink++; }
+        }
+    }
+
+    static readonly string[] s_good = MakeInputs(false);
+    static readonly string[] s_bad = MakeInputs(true);
+
+    static string[] MakeInputs(bool malformed)
+    {
+        var inputs = new string[64];
+        for (int k = 0; k < inputs.Length; k++) inputs[k] = (k * 7919 % 100000).ToString();
+        if (malformed) inputs[40] = "12x45";
+        return inputs;
+    }
+
+    [MethodImpl(MethodImplOptions.NoInlining)]
+    static long Handle(string[] inputs)
+    {
+        long total = 0;
+        foreach (var text in inputs) total += int.Parse(text, System.Globalization.CultureInfo.InvariantCulture);
+        return total;
+    }
+
+    [MethodImpl(MethodImplOptions.NoInlining)]
+    static void Requests(long n)
+    {
+        for (long i = 0; i < n; i++)
+        {
+            try { s_sink += Handle((i & 1) == 0 ? s_good : s_bad); }
+            catch (FormatException) { s_sink--; }
         }
     }
 
@@ -52,9 +84,12 @@ public static class Events
     {
         string kind = args[0];
         long n = long.Parse(args[1]);
-        if (kind == "exceptions") Exceptions(100); else Alloc(100); // JIT before the clock
+        Action<long> work = Alloc;
+        if (kind == "exceptions") work = Exceptions;
+        if (kind == "requests") work = Requests;
+        work(100); // JIT before the clock
         var sw = Stopwatch.StartNew();
-        if (kind == "exceptions") Exceptions(n); else Alloc(n);
+        work(n);
         Console.WriteLine("elapsed_ms " + sw.Elapsed.TotalMilliseconds.ToString("F1", System.Globalization.CultureInfo.InvariantCulture));
         return 0;
     }

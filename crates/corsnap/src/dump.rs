@@ -31,7 +31,7 @@ pub fn run(options: &DumpOptions) -> Result<()> {
         max_pause_ppm: corsnap_wire::DEFAULT_MAX_PAUSE_PPM,
         log: options.agent_log.as_ref().map(|p| crate::record::absolute(p).to_string_lossy().into_owned()),
     };
-    let connection = crate::record::attach(options.pid, &agent, &listener, &request)?;
+    let mut connection = crate::record::attach(options.pid, &agent, &listener, &request)?;
     connection.send_command(Command::SnapshotNow)?;
 
     let mut builder = ProfileBuilder::new();

@@ -141,7 +141,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     };
     let listener = Listener::new().map_err(cleanup_output)?;
     let interrupted = interrupted_flag()?;
-    let (mut process, connection, command_line) = match &options.target {
+    let (mut process, mut connection, command_line) = match &options.target {
         Target::Launch(program) => launch(program, &agent, &listener, options, &interrupted).map_err(cleanup_output)?,
         Target::Attach(pid) => {
             let request = AttachRequest {

@@ -2,6 +2,7 @@
 //! directory, accepting only the expected process of the same user, and a
 //! reader thread that turns the byte stream into messages.
 
+use std::collections::VecDeque;
 use std::io::{self, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -32,7 +33,12 @@ pub enum Event {
 /// A connected agent.
 #[derive(Debug)]
 pub struct AgentConnection {
-    events: Receiver<Event>,
+    /// Batches from the reader thread: one hand-over (and one wake-up of
+    /// the main loop) per read from the socket, not one per message. The
+    /// agent sends 20 batches a second; at a message apiece, the two threads
+    /// would trade the CPU thousands of times a second with the program.
+    batches: Receiver<Vec<Event>>,
+    unread: VecDeque<Event>,
     stream: UnixStream,
 }
 
@@ -86,38 +92,44 @@ impl AgentConnection {
     fn start(stream: UnixStream) -> Result<AgentConnection> {
         stream.set_nonblocking(false)?;
         let reader = stream.try_clone()?;
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = mpsc::channel::<Vec<Event>>();
         thread::Builder::new().name("agent-reader".into()).spawn(move || {
             let mut input = BufReader::with_capacity(256 * 1024, reader);
             let mut scratch = Vec::new();
+            let mut batch = Vec::new();
             loop {
-                match read_message(&mut input, &mut scratch) {
+                let end = match read_message(&mut input, &mut scratch) {
                     Ok(Some(msg)) => {
-                        if tx.send(Event::Message(msg)).is_err() {
-                            return;
-                        }
+                        batch.push(Event::Message(msg));
+                        None
                     }
-                    Ok(None) => {
-                        let _ = tx.send(Event::Closed(None));
-                        return;
-                    }
-                    Err(e) => {
-                        let _ = tx.send(Event::Closed(Some(e)));
+                    Ok(None) => Some(Event::Closed(None)),
+                    Err(e) => Some(Event::Closed(Some(e))),
+                };
+                let ended = end.is_some();
+                batch.extend(end);
+                // Hand over what has arrived once the buffer is drained (the
+                // next read would block), or at the end.
+                if ended || input.buffer().is_empty() {
+                    if tx.send(std::mem::take(&mut batch)).is_err() || ended {
                         return;
                     }
                 }
             }
         })?;
-        Ok(AgentConnection { events: rx, stream })
+        Ok(AgentConnection { batches: rx, unread: VecDeque::new(), stream })
     }
 
     /// The next event, or `None` if nothing arrived within `timeout`.
-    pub fn next_event(&self, timeout: Duration) -> Option<Event> {
-        match self.events.recv_timeout(timeout) {
-            Ok(e) => Some(e),
-            Err(RecvTimeoutError::Timeout) => None,
-            Err(RecvTimeoutError::Disconnected) => Some(Event::Closed(None)),
+    pub fn next_event(&mut self, timeout: Duration) -> Option<Event> {
+        if self.unread.is_empty() {
+            match self.batches.recv_timeout(timeout) {
+                Ok(batch) => self.unread.extend(batch),
+                Err(RecvTimeoutError::Timeout) => return None,
+                Err(RecvTimeoutError::Disconnected) => return Some(Event::Closed(None)),
+            }
         }
+        self.unread.pop_front()
     }
 
     /// Sends a control command to the agent.
