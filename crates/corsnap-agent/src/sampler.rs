@@ -460,7 +460,7 @@ impl SamplerLoop {
         }
         let t1 = Instant::now();
         self.shared.gate.begin_walk();
-        self.walk_all_suspended();
+        self.walk_all_suspended(snapshot);
         self.shared.gate.end_walk();
         let t2 = Instant::now();
         let resumed = info.resume_runtime();
@@ -486,13 +486,18 @@ impl SamplerLoop {
 
     /// Runs with every managed thread stopped. No locks, no allocation, no
     /// logging: a stopped thread could be holding whatever we would wait on.
-    fn walk_all_suspended(&mut self) {
+    fn walk_all_suspended(&mut self, snapshot: bool) {
         let info = self.shared.info;
         // A stopped thread's CPU clock is cheap to read (a running one's
         // makes the kernel lock the runqueue of the CPU it runs on), and
         // reading it here ends the interval exactly at the sample. A system
         // call: no lock of the process's, no allocation.
         let read_cpu = self.shared.records(EventKind::Cpu);
+        // A CPU profile drops a thread that used no CPU since its previous
+        // sample, so its stack need not be walked: the pause then grows
+        // with the busy threads, not with every thread the program has.
+        let walk_idle = snapshot || self.shared.records(EventKind::Wall);
+        let cpu_clock = &self.cpu_clock;
         let TickBuffers { threads, frames, stacks } = &mut self.buffers;
         frames.clear();
         stacks.clear();
@@ -501,7 +506,13 @@ impl SamplerLoop {
         }
         for &thread in threads.iter().take(MAX_THREADS_PER_TICK) {
             let os_tid = info.get_thread_info(thread).unwrap_or(0);
+            let cpu_ns = if read_cpu { corsnap_abi::thread_cpu_time_ns(os_tid).unwrap_or(0) } else { 0 };
             let start = frames.len();
+            let idle = cpu_ns != 0 && cpu_clock.get(&thread) == Some(&(os_tid, cpu_ns));
+            if idle && !walk_idle {
+                stacks.push(StackRecord { thread, os_tid, start, end: start, truncated: false, status: 0, cpu_ns });
+                continue;
+            }
             let mut truncated = false;
             let status = info.do_stack_snapshot(thread, &mut |function| {
                 if frames.len() - start >= MAX_FRAMES_PER_STACK || frames.len() == frames.capacity() {
@@ -511,7 +522,6 @@ impl SamplerLoop {
                 frames.push(function as u64);
                 true
             });
-            let cpu_ns = if read_cpu { corsnap_abi::thread_cpu_time_ns(os_tid).unwrap_or(0) } else { 0 };
             stacks.push(StackRecord { thread, os_tid, start, end: frames.len(), truncated, status, cpu_ns });
         }
     }

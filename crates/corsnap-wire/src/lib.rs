@@ -826,6 +826,22 @@ mod tests {
     }
 
     #[test]
+    fn stats_from_an_older_agent_read_with_the_new_fields_zero() {
+        let stats = SamplerStats { ticks: 3, events_dropped: 4, throttled_ticks: 5, ..Default::default() };
+        let mut buf = Vec::new();
+        Message::Stats(stats).encode_into(&mut buf);
+        let body = &buf[4..];
+        // Version 2 agents (and raw recordings) sent 18 fields.
+        let older = &body[..body.len() - 8];
+        assert_eq!(
+            Message::decode(older),
+            Ok(Message::Stats(SamplerStats { throttled_ticks: 0, ..stats })),
+            "the 18 fields of an older agent"
+        );
+        assert!(Message::decode(&body[..body.len() - 16]).is_err(), "fewer than 18 is broken");
+    }
+
+    #[test]
     fn encode_sample_matches_message_encoding() {
         let mut a = Vec::new();
         let head = SampleHead { time_ns: 1, thread_id: 2, kind: EventKind::Cpu, weight: 5, truncated: false };

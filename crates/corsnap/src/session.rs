@@ -110,10 +110,12 @@ impl AgentConnection {
                 batch.extend(end);
                 // Hand over what has arrived once the buffer is drained (the
                 // next read would block), or at the end.
-                if ended || input.buffer().is_empty() {
-                    if tx.send(std::mem::take(&mut batch)).is_err() || ended {
-                        return;
-                    }
+                if !ended && !input.buffer().is_empty() {
+                    continue;
+                }
+                let delivered = tx.send(std::mem::take(&mut batch)).is_ok();
+                if ended || !delivered {
+                    return;
                 }
             }
         })?;
