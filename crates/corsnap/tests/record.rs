@@ -153,6 +153,31 @@ fn an_unwritable_output_is_refused_before_the_program_starts() {
 }
 
 #[test]
+fn the_pause_budget_is_counted_and_can_be_lifted() {
+    let refused = Command::new(support::corsnap_bin())
+        .args(["record", "--max-pause", "0", "-o", "/tmp/corsnap-pause.svg", "--", "true"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success());
+    assert!(stderr.contains("0 is not a percentage above 0 and at most 100"), "{stderr}");
+
+    let dir = scratch("pause");
+    let out = dir.join("p.txt");
+    let lifted = record(
+        Runtime::Net8,
+        "split",
+        &["1"],
+        &["--stats", "--max-pause", "100", "-f", "collapsed", "-o", out.to_str().unwrap()],
+        None,
+    );
+    let stderr = String::from_utf8_lossy(&lifted.stderr);
+    assert!(lifted.status.success(), "{stderr}");
+    assert!(stderr.contains(" skipped, 0 throttled)"), "no tick is throttled at 100%: {stderr}");
+    assert!(!stderr.contains("ticks were skipped because the runtime was slow to stop"), "{stderr}");
+}
+
+#[test]
 fn a_missing_program_is_named() {
     let output = Command::new(support::corsnap_bin())
         .args(["record", "-o", "/tmp/corsnap-missing.svg", "--", "/no/such/program"])
