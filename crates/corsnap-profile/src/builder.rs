@@ -53,6 +53,14 @@ impl ProfileBuilder {
                 self.profile.meta.start_unix_ms = *start_unix_ms;
             }
             Message::Thread { thread_id, os_tid, name } => {
+                // A thread sampled before its name reached the agent is named
+                // in place: its early samples are not left under `tid=…`.
+                let known = self.threads.get(thread_id).copied();
+                if let Some(idx) = known.filter(|&i| self.profile.threads[i as usize].os_tid == *os_tid) {
+                    if self.profile.name_thread(idx, name) {
+                        return;
+                    }
+                }
                 let idx = self.profile.intern_thread(Thread { os_tid: *os_tid, name: name.clone() });
                 self.threads.insert(*thread_id, idx);
             }
@@ -214,5 +222,23 @@ mod tests {
         assert_eq!(p.threads[p.samples[0].thread as usize].label(), "worker tid=77");
         let names: Vec<_> = p.stack_names_root_first(p.samples[2].stack).collect();
         assert_eq!(names, [TRUNCATED_FRAME, "[unknown function 0x3]"]);
+    }
+
+    #[test]
+    fn a_name_that_arrives_late_names_the_earlier_samples_too() {
+        let mut b = ProfileBuilder::new();
+        b.apply(&Message::Thread { thread_id: 10, os_tid: 77, name: String::new() });
+        b.apply(&cpu_sample(1, 10, false, vec![1]));
+        b.apply(&Message::Thread { thread_id: 10, os_tid: 77, name: "worker-2".into() });
+        b.apply(&cpu_sample(2, 10, false, vec![1]));
+        // A renamed thread keeps both names; a reused ThreadID on another OS
+        // thread is another thread.
+        b.apply(&Message::Thread { thread_id: 10, os_tid: 77, name: "renamed".into() });
+        b.apply(&cpu_sample(3, 10, false, vec![1]));
+        b.apply(&Message::Thread { thread_id: 10, os_tid: 78, name: String::new() });
+        b.apply(&cpu_sample(4, 10, false, vec![1]));
+        let p = b.finish();
+        let labels: Vec<_> = p.samples.iter().map(|s| p.threads[s.thread as usize].label()).collect();
+        assert_eq!(labels, ["worker-2 tid=77", "worker-2 tid=77", "renamed tid=77", "tid=78"]);
     }
 }

@@ -135,6 +135,21 @@ impl Profile {
         i
     }
 
+    /// Gives an unnamed thread the name it was given later, so that all its
+    /// samples carry it. `false` (nothing changed) if it already has a name
+    /// or another thread is known by the new one.
+    pub fn name_thread(&mut self, idx: ThreadIdx, name: &str) -> bool {
+        let Some(old) = self.threads.get(idx as usize).cloned() else { return false };
+        let named = Thread { os_tid: old.os_tid, name: name.to_string() };
+        if !old.name.is_empty() || name.is_empty() || self.thread_index.contains_key(&named) {
+            return false;
+        }
+        self.thread_index.remove(&old);
+        self.thread_index.insert(named.clone(), idx);
+        self.threads[idx as usize] = named;
+        true
+    }
+
     pub fn intern_thread(&mut self, thread: Thread) -> ThreadIdx {
         if let Some(&i) = self.thread_index.get(&thread) {
             return i;
