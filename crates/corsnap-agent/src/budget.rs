@@ -11,11 +11,10 @@
 //!
 //! So the sampler spends from a token bucket: pause time accrues at a fixed
 //! share of elapsed time, each tick spends what it actually cost, and a tick
-//! that comes due while the bucket is in debt is skipped (and counted). The
-//! profiles stay honest: a `cpu` sample is weighted by the CPU the thread used
-//! since its previous sample and a `wall` sample by the time since the
-//! previous tick, so a skipped tick makes the next sample heavier rather than
-//! losing the time.
+//! that comes due while the bucket is in debt is skipped (and counted, and
+//! reported by the CLI). Skipped ticks are left unsampled, as when a sampler
+//! falls behind: a `cpu` sample carries at most two intervals of CPU, so no
+//! single stack stands in for a whole gap.
 
 /// A tick is charged only for the pause beyond this: what an ordinary tick
 /// costs is the price of the rate the user chose, and is never throttled.

@@ -303,7 +303,6 @@ struct SamplerLoop {
     stats: SamplerStats,
     tick_times: TickTimes,
     started: Instant,
-    last_tick: Option<Instant>,
     /// Each thread's CPU clock at its previous sample.
     cpu_clock: HashMap<ThreadID, (u32, u64)>,
     rng: u64,
@@ -313,9 +312,6 @@ struct SamplerLoop {
     samples_on_timer: bool,
     own_cache_resets: u64,
     pause_budget: PauseBudget,
-    /// Ticks the pause budget skipped since the last one taken: the next
-    /// wall samples stand for them too.
-    ticks_owed: u64,
 }
 
 impl SamplerLoop {
@@ -337,7 +333,6 @@ impl SamplerLoop {
             sent_threads: HashMap::new(),
             stats: SamplerStats::default(),
             tick_times: TickTimes::new(),
-            last_tick: None,
             cpu_clock: HashMap::new(),
             rng: (seed as u64) | 1,
             logged_errors: 0,
@@ -345,7 +340,6 @@ impl SamplerLoop {
             samples_on_timer,
             own_cache_resets: 0,
             pause_budget: PauseBudget::new(u64::from(max_pause_ppm), crate::budget::CAPACITY_NS),
-            ticks_owed: 0,
         }
     }
 
@@ -386,7 +380,6 @@ impl SamplerLoop {
                         self.tick(false);
                     } else {
                         self.stats.throttled_ticks += 1;
-                        self.ticks_owed += 1;
                     }
                     // Behind (a long tick, a descheduled thread): do not burst.
                     next_tick = Some((due + self.jittered_interval(rate)).max(now));
@@ -535,13 +528,12 @@ impl SamplerLoop {
         self.describe_threads(&walked);
         let cpu = self.shared.records(EventKind::Cpu) && !snapshot;
         let wall = self.shared.records(EventKind::Wall) || snapshot;
-        let wall_weight = if snapshot { 1 } else { 1 + std::mem::take(&mut self.ticks_owed) };
-        // Before the first tick, count one interval at the current rate.
-        let since_last_tick = self.last_tick.map_or_else(
-            || 1_000_000_000 / u64::from(self.shared.signal.rate().max(1)),
-            |t| t.elapsed().as_nanos() as u64,
-        );
-        self.last_tick = Some(Instant::now());
+        // A sample stands for at most two intervals of CPU. After ticks the
+        // pause budget skipped (or a sampler that fell behind), one stack
+        // would otherwise carry the whole gap, up to a second of CPU on a
+        // single sample in a short profile: a gap is left unsampled instead,
+        // as a sampler that lags does, and the CLI reports the skipped ticks.
+        let max_cpu_weight = 2_000_000_000 / u64::from(self.shared.signal.rate().max(1));
         for record in &stacks {
             let harmless = record.status >= 0
                 || record.status == hr::E_FAIL // a runtime thread with no managed frames
@@ -563,7 +555,7 @@ impl SamplerLoop {
             if record.start == record.end {
                 continue;
             }
-            let cpu_weight = if cpu { self.cpu_since_last_sample(record, since_last_tick) } else { 0 };
+            let cpu_weight = if cpu { self.cpu_since_last_sample(record, max_cpu_weight) } else { 0 };
             if cpu_weight == 0 && !wall {
                 // Idle since its last sample: not part of a CPU profile.
                 continue;
@@ -577,8 +569,7 @@ impl SamplerLoop {
             }
             self.stats.samples += 1;
             let frames = &self.buffers.frames[record.start..record.end];
-            for (kind, weight) in [(EventKind::Cpu, cpu_weight), (EventKind::Wall, if wall { wall_weight } else { 0 })]
-            {
+            for (kind, weight) in [(EventKind::Cpu, cpu_weight), (EventKind::Wall, u64::from(wall))] {
                 if weight > 0 {
                     let head = SampleHead {
                         time_ns,
@@ -594,9 +585,9 @@ impl SamplerLoop {
         self.buffers.stacks = stacks;
     }
 
-    /// CPU time `thread` used since its previous sample, from its CPU clock.
-    /// On first sight, its CPU time so far, but no more than one interval.
-    fn cpu_since_last_sample(&mut self, record: &StackRecord, interval_ns: u64) -> u64 {
+    /// CPU time `thread` used since its previous sample, from its CPU clock
+    /// (on first sight, its CPU time so far), but no more than `max_ns`.
+    fn cpu_since_last_sample(&mut self, record: &StackRecord, max_ns: u64) -> u64 {
         let (thread, os_tid, now) = (record.thread, record.os_tid, record.cpu_ns);
         if now == 0 {
             return 0;
@@ -606,8 +597,8 @@ impl SamplerLoop {
             self.own_cache_resets += 1;
         }
         match self.cpu_clock.insert(thread, (os_tid, now)) {
-            Some((tid, before)) if tid == os_tid => now.saturating_sub(before),
-            _ => now.min(interval_ns),
+            Some((tid, before)) if tid == os_tid => now.saturating_sub(before).min(max_ns),
+            _ => now.min(max_ns),
         }
     }
 

@@ -278,8 +278,8 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     if let Some(stats) = agent_stats.filter(|s| s.throttled_ticks > 0) {
         eprintln!(
             "corsnap: note: {} of {} ticks were skipped because the runtime was slow to stop (some phases of a \
-             program are, start-up above all) and pauses are kept under {}% of the time; the samples after a gap \
-             carry its time. --max-pause raises the limit.",
+             program are, start-up above all) and pauses are kept under {}% of the time; those moments are \
+             sampled less. --max-pause raises the limit.",
             stats.throttled_ticks,
             stats.throttled_ticks + stats.ticks,
             f64::from(options.max_pause_ppm) / 10_000.0
