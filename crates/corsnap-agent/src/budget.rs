@@ -10,7 +10,8 @@
 //! stopped a third of the time.
 //!
 //! So the sampler spends from a token bucket: pause time accrues at a fixed
-//! share of elapsed time, each tick spends what it actually cost, and a tick
+//! share of elapsed time, each tick spends the pause it cost beyond an
+//! ordinary tick, and a tick
 //! that comes due while the bucket is in debt is skipped (and counted, and
 //! reported by the CLI). Skipped ticks are left unsampled, as when a sampler
 //! falls behind: a `cpu` sample carries at most two intervals of CPU, so no
@@ -21,8 +22,11 @@
 /// A suspension that needed the runtime to re-ping a thread (every 1 ms)
 /// is past it.
 pub const SLOW_TICK_NS: u64 = 1_000_000;
-/// How much pause may be spent at once from a full bucket. One slow tick
-/// fits; a run of them does not.
+/// How much pause may be spent at once from a full bucket (one slow tick
+/// fits; a run of them does not), and the most the bucket may owe. A single
+/// huge tick (a collection that takes the thread store just before our
+/// `SuspendRuntime` does is waited out inside it) then silences sampling
+/// for at most capacity / share, a second at 2%, not for minutes.
 pub const CAPACITY_NS: u64 = 20_000_000;
 
 #[derive(Debug, Clone)]
@@ -49,7 +53,7 @@ impl PauseBudget {
     /// what it took beyond an ordinary tick.
     pub fn spend(&mut self, pause_ns: u64) {
         let excess = pause_ns.saturating_sub(SLOW_TICK_NS);
-        self.balance_ns = self.balance_ns.saturating_sub(excess.min(i64::MAX as u64) as i64);
+        self.balance_ns = self.balance_ns.saturating_sub(excess.min(i64::MAX as u64) as i64).max(-self.capacity_ns);
     }
 
     fn refill(&mut self, now_ns: u64) {
@@ -119,6 +123,15 @@ mod tests {
         let (run, skipped, _) = simulate(&mut b, 10 * MS, 1000 * MS, |i| if i == 3 { 15 * MS } else { 100_000 });
         assert_eq!(skipped, 0);
         assert!(run >= 98);
+    }
+
+    #[test]
+    fn a_huge_tick_silences_sampling_for_a_second_at_most() {
+        let mut b = PauseBudget::new(SHARE_PPM, CAPACITY_NS);
+        assert!(b.allows(0));
+        b.spend(500 * MS);
+        assert!(!b.allows(900 * MS));
+        assert!(b.allows(1000 * MS));
     }
 
     #[test]
