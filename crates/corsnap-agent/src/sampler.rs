@@ -682,6 +682,11 @@ impl SamplerLoop {
         let sent = &self.sent_threads;
         let seen: HashMap<ThreadID, u32> = threads.iter().copied().collect();
         self.shared.threads.with_entries(threads.iter().map(|&(t, _)| t), |thread, entry| {
+            if entry.is_none() && sent.contains_key(&thread) {
+                // Walked, then gone before we got here (`ThreadDestroyed`
+                // removed it after the resume): what was said still holds.
+                return;
+            }
             let seen_tid = seen.get(&thread).copied().unwrap_or(0);
             let (version, name, registry_tid) =
                 entry.map_or((0, String::new(), 0), |e| (e.version, e.name.clone(), e.os_tid));

@@ -54,10 +54,12 @@ impl ProfileBuilder {
             }
             Message::Thread { thread_id, os_tid, name } => {
                 // A thread sampled before its name reached the agent is named
-                // in place: its early samples are not left under `tid=…`.
+                // in place: its early samples are not left under `tid=…`. And
+                // a thread the agent no longer knows by name (it exited just
+                // after its last sample) keeps the name it had.
                 let known = self.threads.get(thread_id).copied();
                 if let Some(idx) = known.filter(|&i| self.profile.threads[i as usize].os_tid == *os_tid) {
-                    if self.profile.name_thread(idx, name) {
+                    if name.is_empty() || self.profile.name_thread(idx, name) {
                         return;
                     }
                 }
@@ -225,11 +227,13 @@ mod tests {
     }
 
     #[test]
-    fn a_name_that_arrives_late_names_the_earlier_samples_too() {
+    fn a_name_that_arrives_late_names_the_earlier_samples_too_and_is_never_lost() {
         let mut b = ProfileBuilder::new();
         b.apply(&Message::Thread { thread_id: 10, os_tid: 77, name: String::new() });
         b.apply(&cpu_sample(1, 10, false, vec![1]));
         b.apply(&Message::Thread { thread_id: 10, os_tid: 77, name: "worker-2".into() });
+        b.apply(&cpu_sample(2, 10, false, vec![1]));
+        b.apply(&Message::Thread { thread_id: 10, os_tid: 77, name: String::new() });
         b.apply(&cpu_sample(2, 10, false, vec![1]));
         // A renamed thread keeps both names; a reused ThreadID on another OS
         // thread is another thread.
@@ -239,6 +243,6 @@ mod tests {
         b.apply(&cpu_sample(4, 10, false, vec![1]));
         let p = b.finish();
         let labels: Vec<_> = p.samples.iter().map(|s| p.threads[s.thread as usize].label()).collect();
-        assert_eq!(labels, ["worker-2 tid=77", "worker-2 tid=77", "renamed tid=77", "tid=78"]);
+        assert_eq!(labels, ["worker-2 tid=77", "worker-2 tid=77", "worker-2 tid=77", "renamed tid=77", "tid=78"]);
     }
 }

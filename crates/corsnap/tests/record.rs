@@ -13,7 +13,9 @@ fn share_of_heavy(runtime: Runtime) {
     let (stacks, _) = record_collapsed(runtime, "split", "3", &["-r", "400"]);
     let heavy = count_with(&stacks, "Split.Heavy") as f64;
     let light = count_with(&stacks, "Split.Light") as f64;
-    assert!(heavy + light >= 150.0, "too few samples ({heavy} + {light}):\n{}", describe(&stacks));
+    // Collapsed cpu values are CPU nanoseconds: a good part of the 3 s is
+    // there, even with start-up ticks skipped on a loaded machine.
+    assert!(heavy + light >= 1e9, "too little CPU recorded ({heavy} + {light} ns):\n{}", describe(&stacks));
     let share = heavy / (heavy + light) * 100.0;
     assert!(
         (70.0..=80.0).contains(&share),
@@ -61,20 +63,26 @@ fn a_200_deep_recursion_keeps_every_frame_in_order() {
 }
 
 fn named_threads(runtime: Runtime) {
-    let (stacks, _) = record_collapsed(runtime, "threads", "2", &["--threads"]);
+    let (stacks, _) = record_collapsed(runtime, "threads", "2", &["--threads", "-r", "400"]);
     for (thread, method) in [("worker-1", "Workers.Alpha"), ("worker-2", "Workers.Beta"), ("worker-3", "Workers.Gamma")]
     {
         let of_thread: Vec<_> = stacks.iter().filter(|s| s.frames[0].starts_with(&format!("{thread} tid="))).collect();
         let total: u64 = of_thread.iter().map(|s| s.count).sum();
         let in_method: u64 = of_thread.iter().filter(|s| s.frames.last().unwrap() == method).map(|s| s.count).sum();
-        assert!(total >= 100, "{thread}: {total} samples:\n{}", describe(&stacks));
+        // CPU nanoseconds: three spinning threads share 2 CPUs for 2 s, and
+        // on a loaded machine the pause budget skips start-up ticks; 100 ms
+        // is still ten samples or more.
+        assert!(total >= 100_000_000, "{thread}: {total} ns of CPU:\n{}", describe(&stacks));
         assert!(in_method * 100 >= total * 95, "{thread}: {in_method}/{total} in {method}:\n{}", describe(&stacks));
         let tid: u32 = of_thread[0].frames[0].rsplit("tid=").next().unwrap().parse().unwrap();
         assert!(tid > 0);
         // No other thread runs this thread's method.
-        let elsewhere =
-            stacks.iter().filter(|s| !s.frames[0].starts_with(thread) && s.frames.iter().any(|f| f == method));
-        assert_eq!(elsewhere.count(), 0, "{method} seen outside {thread}");
+        let elsewhere: Vec<_> = stacks
+            .iter()
+            .filter(|s| !s.frames[0].starts_with(thread) && s.frames.iter().any(|f| f == method))
+            .map(|s| s.frames.join(";"))
+            .collect();
+        assert!(elsewhere.is_empty(), "{method} seen outside {thread}: {elsewhere:?}");
     }
 }
 
