@@ -14,6 +14,9 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use corsnap_wire::{read_message, Message};
 
+/// Messages handed from the reader thread to the main loop at most at once.
+const MAX_BATCH: usize = 4096;
+
 /// A socket the agent connects to, in a directory only we can enter.
 #[derive(Debug)]
 pub struct Listener {
@@ -109,8 +112,10 @@ impl AgentConnection {
                 let ended = end.is_some();
                 batch.extend(end);
                 // Hand over what has arrived once the buffer is drained (the
-                // next read would block), or at the end.
-                if !ended && !input.buffer().is_empty() {
+                // next read would block), at the end, or every so many
+                // messages: a sender that never lets the buffer drain (an
+                // exception storm) must not make the main loop wait.
+                if !ended && !input.buffer().is_empty() && batch.len() < MAX_BATCH {
                     continue;
                 }
                 let delivered = tx.send(std::mem::take(&mut batch)).is_ok();
