@@ -32,11 +32,15 @@ def main():
     ap.add_argument("--exceptions", type=int, default=200_000, help="throw/catch pairs")
     ap.add_argument("--requests", type=int, default=200_000, help="requests (half of them throw)")
     ap.add_argument("--allocs", type=int, default=1_500_000, help="allocation rounds")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="which of them, comma-separated")
     args = ap.parse_args()
     env, [dll] = prepare('bench/programs/events.cs')
     dotnet = env["CORSNAP_DOTNET8"]
     corsnap = CORSNAP
     scratch = tempfile.mkdtemp(prefix="corsnap-events-bench-")
+    chosen = [w for w in args.workloads.split(",") if w]
+    if unknown := [w for w in chosen if w not in WORKLOADS]:
+        sys.exit(f"unknown workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}")
     sizes = {"exceptions": args.exceptions, "requests": args.requests, "alloc": args.allocs}
 
     def run(workload, profiled):
@@ -52,7 +56,7 @@ def main():
 
     results = {}
     for rnd in range(args.rounds):
-        configs = [(w, p) for w in WORKLOADS for p in (False, True)]
+        configs = [(w, p) for w in chosen for p in (False, True)]
         random.shuffle(configs)
         for c in configs:
             results.setdefault(c, []).append(run(*c))
@@ -61,7 +65,8 @@ def main():
     print(f"\nmedian of {args.rounds} interleaved rounds, {os.cpu_count()} CPUs\n")
     print("| workload | no profiler | corsnap | slowdown | added per unit | target |")
     print("|---|---|---|---|---|---|")
-    for workload, (event, unit, per_item, target) in WORKLOADS.items():
+    for workload in chosen:
+        event, unit, per_item, target = WORKLOADS[workload]
         base = statistics.median(results[(workload, False)])
         prof = statistics.median(results[(workload, True)])
         units = sizes[workload] * per_item

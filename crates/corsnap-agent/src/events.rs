@@ -8,6 +8,8 @@
 //! from) and queues them; the sampler thread names and sends them later, so
 //! no callback ever holds a lock across a call into the runtime (Rule 3).
 
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
@@ -20,6 +22,15 @@ use corsnap_wire::EventKind;
 const MAX_PENDING: usize = 200_000;
 /// Frames kept per event stack.
 const MAX_EVENT_FRAMES: usize = 1024;
+/// Frames a tallied walk keeps on the throwing thread's own stack; deeper
+/// stacks spill to the heap.
+const INLINE_FRAMES: usize = 128;
+/// Words ahead of the frames in a tally key: kind, thread, OS thread, class,
+/// truncated.
+const KEY_HEAD: usize = 5;
+/// Tally shards, picked by thread, so threads throwing at once rarely meet
+/// on a lock.
+const TALLY_SHARDS: usize = 8;
 
 /// `GCAllocationTick`'s event id in the `Microsoft-Windows-DotNETRuntime` provider.
 pub const GC_ALLOCATION_TICK: u32 = 10;
@@ -36,12 +47,16 @@ pub struct AllocationTick {
 }
 
 impl AllocationTick {
+    /// Just the bytes, which every tick adds to the next recorded one.
+    pub fn bytes(payload: &[u8]) -> Option<u64> {
+        Some(u64::from_le_bytes(payload.get(10..18)?.try_into().ok()?))
+    }
+
     /// Layout: u32 AllocationAmount, u32 AllocationKind, u16 ClrInstanceID,
     /// u64 AllocationAmount64, pointer TypeID, NUL-terminated UTF-16
     /// TypeName, then fields corsnap does not read.
     pub fn parse(payload: &[u8]) -> Option<AllocationTick> {
-        let amount = payload.get(10..18)?;
-        let bytes = u64::from_le_bytes(amount.try_into().ok()?);
+        let bytes = AllocationTick::bytes(payload)?;
         let class = u64::from_le_bytes(payload.get(18..26)?.try_into().ok()?) as ClassID;
         let name_bytes = payload.get(26..)?;
         let units: Vec<u16> = name_bytes
@@ -116,8 +131,49 @@ pub struct FinishedGc {
     pub pause_ns: u64,
 }
 
+/// One distinct event stack and how often it happened since the sampler
+/// last took the tally.
+#[derive(Debug)]
+struct Tallied {
+    kind: EventKind,
+    count: u64,
+    first_ns: u64,
+}
+
+/// Multiply-rotate hashing of whole words: tally keys come from the
+/// runtime, not from an adversary, and SipHash would cost more than the
+/// lookup it serves.
+#[derive(Debug, Default, Clone, Copy)]
+struct WordHasher(u64);
+
+impl Hasher for WordHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+    fn write_u64(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+    fn write_usize(&mut self, word: usize) {
+        self.write_u64(word as u64);
+    }
+}
+
+type TallyShard = HashMap<Box<[u64]>, Tallied, BuildHasherDefault<WordHasher>>;
+
 #[derive(Debug, Default)]
 pub struct EventQueue {
+    /// Exceptions and class loads, counted per distinct (kind, thread,
+    /// class, stack): an exception storm from one site costs the throwing
+    /// thread a lookup, not an allocation and a queued message per throw.
+    /// The counts stay exact.
+    tally: [Mutex<TallyShard>; TALLY_SHARDS],
     pending: Mutex<Vec<PendingEvent>>,
     gcs: Mutex<Vec<FinishedGc>>,
     gc_in_progress: Mutex<Option<GcInProgress>>,
@@ -142,7 +198,89 @@ pub fn own_stack(info: &CorProfilerInfo) -> (Vec<u64>, bool) {
     (frames, truncated)
 }
 
+/// A walk of the calling thread's stack, leaf first, that allocates only
+/// when the stack is deeper than [`INLINE_FRAMES`].
+struct OwnStack {
+    inline: [u64; INLINE_FRAMES],
+    len: usize,
+    spill: Vec<u64>,
+    truncated: bool,
+}
+
+impl OwnStack {
+    fn walk(info: &CorProfilerInfo) -> OwnStack {
+        let mut stack = OwnStack { inline: [0; INLINE_FRAMES], len: 0, spill: Vec::new(), truncated: false };
+        info.do_stack_snapshot(0, &mut |function| {
+            if stack.len >= MAX_EVENT_FRAMES {
+                stack.truncated = true;
+                return false;
+            }
+            if stack.len < INLINE_FRAMES {
+                stack.inline[stack.len] = function as u64;
+            } else {
+                stack.spill.push(function as u64);
+            }
+            stack.len += 1;
+            true
+        });
+        stack
+    }
+
+    /// Calls `use_key` with the tally key: `head`, then the frames.
+    fn with_key(&self, head: [u64; KEY_HEAD], use_key: impl FnOnce(&[u64])) {
+        let inline = &self.inline[..self.len.min(INLINE_FRAMES)];
+        if self.spill.is_empty() {
+            let mut words = [0u64; KEY_HEAD + INLINE_FRAMES];
+            words[..KEY_HEAD].copy_from_slice(&head);
+            words[KEY_HEAD..KEY_HEAD + inline.len()].copy_from_slice(inline);
+            use_key(&words[..KEY_HEAD + inline.len()]);
+        } else {
+            let mut words = Vec::with_capacity(KEY_HEAD + self.len);
+            words.extend_from_slice(&head);
+            words.extend_from_slice(inline);
+            words.extend_from_slice(&self.spill);
+            use_key(&words);
+        }
+    }
+}
+
+fn tally_shard(thread: ThreadID) -> usize {
+    // ThreadIDs are addresses of the runtime's Thread objects.
+    ((thread as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 61) as usize % TALLY_SHARDS
+}
+
 impl EventQueue {
+    /// Counts an event whose subject is a class (an exception's type, a
+    /// loaded class), with the calling thread's stack.
+    pub fn count_class_event(
+        &self,
+        info: &CorProfilerInfo,
+        kind: EventKind,
+        time_ns: u64,
+        thread: ThreadID,
+        os_tid: u32,
+        class: ClassID,
+    ) {
+        let stack = OwnStack::walk(info);
+        let head = [kind as u64, thread as u64, os_tid as u64, class as u64, stack.truncated as u64];
+        stack.with_key(head, |key| self.tally(kind, time_ns, thread, key));
+    }
+
+    /// Counts one more occurrence of `key` (a [`KEY_HEAD`] head, then the
+    /// frames).
+    fn tally(&self, kind: EventKind, time_ns: u64, thread: ThreadID, key: &[u64]) {
+        let mut shard = self.tally[tally_shard(thread)].lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(tallied) = shard.get_mut(key) {
+            tallied.count += 1;
+            return;
+        }
+        if shard.len() >= MAX_PENDING / TALLY_SHARDS {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        shard.insert(key.into(), Tallied { kind, count: 1, first_ns: time_ns });
+    }
+
     pub fn push(&self, event: PendingEvent) {
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         if pending.len() >= MAX_PENDING {
@@ -152,8 +290,25 @@ impl EventQueue {
         pending.push(event);
     }
 
+    /// Everything queued or tallied since the last call, tallies as one
+    /// event each, weighted by their count.
     pub fn take(&self) -> Vec<PendingEvent> {
-        std::mem::take(&mut *self.pending.lock().unwrap_or_else(|p| p.into_inner()))
+        let mut events = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|p| p.into_inner()));
+        for shard in &self.tally {
+            let tallied = std::mem::take(&mut *shard.lock().unwrap_or_else(|p| p.into_inner()));
+            events.extend(tallied.into_iter().map(|(key, t)| PendingEvent {
+                kind: t.kind,
+                time_ns: t.first_ns,
+                thread: key[1] as ThreadID,
+                os_tid: key[2] as u32,
+                subject: Subject::Class(key[3] as ClassID),
+                frames: key[KEY_HEAD..].to_vec(),
+                truncated: key[4] != 0,
+                weight: t.count,
+            }));
+        }
+        events.sort_by_key(|e| e.time_ns);
+        events
     }
 
     pub fn take_gcs(&self) -> Vec<FinishedGc> {
@@ -237,5 +392,62 @@ mod tests {
         assert_eq!(tick, AllocationTick { bytes: 102_400, class: 0xdead_beef, type_name: "System.Byte[]".into() });
         assert_eq!(AllocationTick::parse(&payload[..12]), None);
         assert_eq!(AllocationTick::parse(&payload[..26]).unwrap().type_name, "[unknown type]");
+        assert_eq!(AllocationTick::bytes(&payload), Some(102_400));
+        assert_eq!(AllocationTick::bytes(&payload[..17]), None);
+    }
+
+    fn key(kind: EventKind, thread: u64, class: u64, frames: &[u64]) -> Vec<u64> {
+        let mut key = vec![kind as u64, thread, 7, class, 0];
+        key.extend_from_slice(frames);
+        key
+    }
+
+    #[test]
+    fn repeated_event_stacks_are_counted_exactly_and_taken_once() {
+        let queue = EventQueue::default();
+        for i in 0..1000u64 {
+            queue.tally(EventKind::Exceptions, 100 + i, 0x10, &key(EventKind::Exceptions, 0x10, 0xc1, &[3, 2, 1]));
+        }
+        for i in 0..500u64 {
+            queue.tally(EventKind::Exceptions, 50 + i, 0x20, &key(EventKind::Exceptions, 0x20, 0xc2, &[4, 2, 1]));
+        }
+        // Same stack and type on another thread, and another type on the first.
+        queue.tally(EventKind::Exceptions, 7, 0x20, &key(EventKind::Exceptions, 0x20, 0xc1, &[3, 2, 1]));
+        queue.tally(EventKind::ClassLoad, 8, 0x10, &key(EventKind::ClassLoad, 0x10, 0xc1, &[3, 2, 1]));
+        let events = queue.take();
+        let summary: Vec<(EventKind, ThreadID, u32, Vec<u64>, u64, u64)> = events
+            .iter()
+            .map(|e| {
+                let Subject::Class(class) = e.subject else { panic!("{:?}", e.subject) };
+                (e.kind, e.thread, e.os_tid, e.frames.clone(), class as u64, e.weight)
+            })
+            .collect();
+        assert_eq!(
+            summary,
+            vec![
+                (EventKind::Exceptions, 0x20, 7, vec![3, 2, 1], 0xc1, 1),
+                (EventKind::ClassLoad, 0x10, 7, vec![3, 2, 1], 0xc1, 1),
+                (EventKind::Exceptions, 0x20, 7, vec![4, 2, 1], 0xc2, 500),
+                (EventKind::Exceptions, 0x10, 7, vec![3, 2, 1], 0xc1, 1000),
+            ],
+            "ordered by first occurrence"
+        );
+        assert!(queue.take().is_empty());
+    }
+
+    #[test]
+    fn the_tally_is_bounded_and_counts_what_it_drops() {
+        let queue = EventQueue::default();
+        let thread = 0x30;
+        let per_shard = MAX_PENDING / TALLY_SHARDS;
+        for i in 0..per_shard as u64 + 10 {
+            queue.tally(EventKind::Exceptions, i, thread, &key(EventKind::Exceptions, thread as u64, 1, &[i]));
+        }
+        // A stack already tallied is still counted when the shard is full.
+        queue.tally(EventKind::Exceptions, 0, thread, &key(EventKind::Exceptions, thread as u64, 1, &[0]));
+        assert_eq!(queue.dropped.load(Ordering::Relaxed), 10);
+        let events = queue.take();
+        assert_eq!(events.len(), per_shard);
+        assert_eq!(events.iter().map(|e| e.weight).sum::<u64>(), per_shard as u64 + 1);
     }
 }
