@@ -1,6 +1,6 @@
 """What every benchmark does first: install what is missing, build corsnap,
 compile the C# workloads."""
-import os, re, subprocess
+import os, re, statistics, subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORSNAP = os.path.join(ROOT, "target/release/corsnap")
@@ -25,3 +25,14 @@ def prepare(*programs):
         subprocess.run(["bash", f"{ROOT}/scripts/build-cs.sh", os.path.join(ROOT, program), OUT, "8"], env=env, check=True)
         dlls.append(os.path.join(OUT, os.path.splitext(os.path.basename(program))[0] + ".dll"))
     return env, dlls
+
+
+def paired_slowdown(base, profiled):
+    """Slowdown from runs paired by round (the same round's base and
+    profiled run saw the same machine): the median of the per-round ratios,
+    and the middle half of them, as "+x.x% (+a.a..+b.b)"."""
+    ratios = sorted(p / b for b, p in zip(base, profiled))
+    if len(ratios) < 4:
+        return f"{(statistics.median(ratios) - 1) * 100:+.1f}%"
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return f"{(statistics.median(ratios) - 1) * 100:+.1f}% ({(q1 - 1) * 100:+.1f}..{(q3 - 1) * 100:+.1f})"

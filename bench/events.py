@@ -16,7 +16,7 @@ its exception rate.
 """
 import argparse, os, random, re, statistics, subprocess, sys, tempfile
 
-from common import CORSNAP, prepare
+from common import CORSNAP, paired_slowdown, prepare
 
 # workload -> (event recorded, unit of work, what a unit contains, target)
 WORKLOADS = {
@@ -63,8 +63,9 @@ def main():
         print(f"  round {rnd + 1}/{args.rounds} done", file=sys.stderr)
 
     print(f"\nmedian of {args.rounds} interleaved rounds, {os.cpu_count()} CPUs\n")
-    print("| workload | no profiler | corsnap | slowdown | added per unit | target |")
-    print("|---|---|---|---|---|---|")
+    print("Slowdown: the ratio of medians; paired: the median of each round's ratio (middle half in brackets).\n")
+    print("| workload | no profiler | corsnap | slowdown | paired | added per unit | target |")
+    print("|---|---|---|---|---|---|---|")
     for workload in chosen:
         event, unit, per_item, target = WORKLOADS[workload]
         base = statistics.median(results[(workload, False)])
@@ -72,7 +73,8 @@ def main():
         units = sizes[workload] * per_item
         added_us = (prof - base) * 1000 / units
         print(f"| {workload} (`--event {event}`) | {base:.0f} ms | {prof:.0f} ms | {prof / base:.3f} "
-              f"({(prof / base - 1) * 100:+.1f}%) | {added_us:.2f} µs per {unit} (of {base * 1000 / units:.2f}) "
+              f"({(prof / base - 1) * 100:+.1f}%) | {paired_slowdown(results[(workload, False)], results[(workload, True)])} "
+              f"| {added_us:.2f} µs per {unit} (of {base * 1000 / units:.2f}) "
               f"| {target} |")
 
 

@@ -5,7 +5,11 @@ Runs bench/programs/cpu.cs (a fixed amount of CPU work) with 1 and 8 busy
 threads: without a profiler, under corsnap at 100 Hz and 1000 Hz, and under
 the runtime's own EventPipe sample profiler. corsnap runs with its default
 pause budget (--max-pause 2) and, at 100 Hz, also without one
-(--max-pause 100), so the table shows what the budget buys. Configurations are interleaved
+(--max-pause 100), so the table shows what the budget buys. The
+suspend-only rows are the floor: the agent suspends and resumes the runtime
+each tick and walks nothing (CORSNAP_BENCH_SUSPEND_ONLY=1), so they show what
+the runtime's own suspension costs, which no sampler built on SuspendRuntime
+can go below. Configurations are interleaved
 round by round so that noise on a shared machine hits them alike; the table
 gives each one's median work time as a ratio to no profiler, and the agent's
 own per-tick cost from its statistics.
@@ -14,7 +18,7 @@ own per-tick cost from its statistics.
 """
 import argparse, os, random, re, statistics, subprocess, sys, tempfile
 
-from common import CORSNAP, prepare
+from common import CORSNAP, paired_slowdown, prepare
 
 
 def sh(cmd, env=None):
@@ -37,9 +41,11 @@ def main():
         e = dict(env)
         if config == "none":
             cmd = program
-        elif config.startswith("corsnap"):
+        elif config.startswith("corsnap") or config.startswith("suspend-only"):
             rate, _, budget = config.split("@")[1].partition(" ")
-            pause = "100" if budget == "no-budget" else "2"
+            pause = "100" if budget == "no-budget" or config.startswith("suspend-only") else "2"
+            if config.startswith("suspend-only"):
+                e["CORSNAP_BENCH_SUSPEND_ONLY"] = "1"
             cmd = [corsnap, "record", "--stats", "-r", rate, "--max-pause", pause, "-f", "collapsed",
                    "-o", f"{scratch}/p.txt", "--"] + program
         else:  # EventPipe's own sampler, switched on by environment alone
@@ -54,7 +60,8 @@ def main():
                          r"walk ([\d.]+) µs, resume ([\d.]+) µs", r.stderr)
         return float(m.group(1)), tuple(float(x) for x in tick.groups()) if tick else None
 
-    configs = ["none", "corsnap@100", "corsnap@100 no-budget", "corsnap@1000", "eventpipe"]
+    configs = ["none", "corsnap@100", "corsnap@100 no-budget", "suspend-only@100", "corsnap@1000",
+               "corsnap@1000 no-budget", "suspend-only@1000", "eventpipe"]
     results = {}
     for threads in [int(t) for t in args.threads.split(",")]:
         for rnd in range(args.rounds):
@@ -66,11 +73,14 @@ def main():
 
     print(f"\nwork: {args.iterations} iterations per thread, median of {args.rounds} interleaved rounds, "
           f"{os.cpu_count()} CPUs\n")
-    print("| busy threads | profiler | median work time | slowdown vs none | ticks taken / throttled (median) "
+    print("Slowdown: the ratio of medians; paired: the median of each round's ratio to that round's run\n"
+          "without a profiler (middle half of the rounds in brackets).\n")
+    print("| busy threads | profiler | median work time | slowdown vs none | paired | ticks taken / throttled (median) "
           "| agent median µs per tick: suspend / walk / resume |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for threads in sorted({t for t, _ in results}):
-        base = statistics.median(x for x, _ in results[(threads, "none")])
+        base_times = [x for x, _ in results[(threads, "none")]]
+        base = statistics.median(base_times)
         for c in configs:
             times = [x for x, _ in results[(threads, c)]]
             ticks = [t for _, t in results[(threads, c)] if t is not None]
@@ -78,7 +88,8 @@ def main():
             tick = " / ".join(f"{statistics.median(t[i] for t in ticks):.1f}" for i in (3, 4, 5)) if ticks else "-"
             taken = (f"{statistics.median(t[0] for t in ticks):.0f} / {statistics.median(t[2] for t in ticks):.0f}"
                      if ticks else "-")
-            print(f"| {threads} | {c} | {med:.0f} ms | {med / base:.3f} ({(med / base - 1) * 100:+.1f}%) | {taken} "
+            paired = paired_slowdown(base_times, times) if c != "none" else "-"
+            print(f"| {threads} | {c} | {med:.0f} ms | {med / base:.3f} ({(med / base - 1) * 100:+.1f}%) | {paired} | {taken} "
                   f"| {tick} |")
 
 

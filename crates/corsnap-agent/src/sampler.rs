@@ -310,6 +310,9 @@ struct SamplerLoop {
     /// Whether callbacks queue events that need sending.
     records_events: bool,
     samples_on_timer: bool,
+    /// [`corsnap_wire::ENV_BENCH_SUSPEND_ONLY`]: ticks suspend and resume
+    /// the runtime, and do nothing else.
+    suspend_only: bool,
     own_cache_resets: u64,
     pause_budget: PauseBudget,
 }
@@ -338,6 +341,7 @@ impl SamplerLoop {
             logged_errors: 0,
             records_events,
             samples_on_timer,
+            suspend_only: std::env::var(corsnap_wire::ENV_BENCH_SUSPEND_ONLY).is_ok_and(|v| v == "1"),
             own_cache_resets: 0,
             pause_budget: PauseBudget::new(u64::from(max_pause_ppm), crate::budget::CAPACITY_NS),
         }
@@ -452,9 +456,11 @@ impl SamplerLoop {
             return;
         }
         let t1 = Instant::now();
-        self.shared.gate.begin_walk();
-        self.walk_all_suspended(snapshot);
-        self.shared.gate.end_walk();
+        if !self.suspend_only {
+            self.shared.gate.begin_walk();
+            self.walk_all_suspended(snapshot);
+            self.shared.gate.end_walk();
+        }
         let t2 = Instant::now();
         let resumed = info.resume_runtime();
         let t3 = Instant::now();

@@ -34,6 +34,10 @@ pub const ENV_MAX_PAUSE: &str = "CORSNAP_MAX_PAUSE_PPM";
 pub const DEFAULT_MAX_PAUSE_PPM: u32 = 20_000;
 /// Path of the agent's own log file; unset means the agent logs nothing.
 pub const ENV_LOG: &str = "CORSNAP_AGENT_LOG";
+/// For benchmarks only (`bench/run.py`): when `1`, each tick suspends and
+/// resumes the runtime and walks nothing, which measures what the runtime's
+/// own suspension costs a program. Such a recording has no samples.
+pub const ENV_BENCH_SUSPEND_ONLY: &str = "CORSNAP_BENCH_SUSPEND_ONLY";
 
 /// The agent's CLSID, as the runtime wants it in `CORECLR_PROFILER`.
 pub const AGENT_CLSID: &str = "{6A3B7C2E-9D41-4F8A-B5E2-3C7D1A9F0E64}";
