@@ -10,7 +10,10 @@ frames deep), the worst case; `requests` parses numbers out of text and
 every other request has a malformed one, so int.Parse throws from inside
 the base library. Both spend most of their time in exception handling, so
 the table also gives the cost per throw: a program's slowdown is that times
-its exception rate.
+its exception rate. For them the table also has floor rows
+(CORSNAP_BENCH_EXCEPTIONS): the runtime's exception callbacks alone, and
+those plus the one synchronous stack walk per exception that exact exception
+stacks need, which no recorder of them can go below.
 
     python3 bench/events.py [--rounds 7]
 """
@@ -33,6 +36,8 @@ def main():
     ap.add_argument("--requests", type=int, default=200_000, help="requests (half of them throw)")
     ap.add_argument("--allocs", type=int, default=1_500_000, help="allocation rounds")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="which of them, comma-separated")
+    ap.add_argument("--no-floors", dest="floors", action="store_false",
+                    help="skip the rows that measure the runtime's share of the exception cost")
     args = ap.parse_args()
     env, [dll] = prepare('bench/programs/events.cs')
     dotnet = env["CORSNAP_DOTNET8"]
@@ -43,39 +48,57 @@ def main():
         sys.exit(f"unknown workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}")
     sizes = {"exceptions": args.exceptions, "requests": args.requests, "alloc": args.allocs}
 
-    def run(workload, profiled):
+    # How a workload runs: without a profiler, recorded, or (exception
+    # workloads) with the agent doing only the runtime's share: its exception
+    # callbacks (`monitor`), then also the synchronous walk (`walk`).
+    def modes(workload):
+        floors = ["monitor", "walk"] if WORKLOADS[workload][0] == "exceptions" and args.floors else []
+        return ["none", "record"] + floors
+
+    def run(workload, mode):
         program = [dotnet, dll, workload, str(sizes[workload])]
         event = WORKLOADS[workload][0]
-        cmd = [corsnap, "record", "-e", event, "-f", "collapsed", "-o", f"{scratch}/p.txt", "--"] + program \
-            if profiled else program
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        e = dict(env)
+        if mode == "none":
+            cmd = program
+        else:
+            cmd = [corsnap, "record", "-e", event, "-f", "collapsed", "-o", f"{scratch}/p.txt", "--"] + program
+            if mode != "record":
+                e["CORSNAP_BENCH_EXCEPTIONS"] = mode
+        r = subprocess.run(cmd, env=e, capture_output=True, text=True)
         m = re.search(r"elapsed_ms ([\d.]+)", r.stdout)
         if r.returncode != 0 or not m:
-            sys.exit(f"{workload} (profiled={profiled}) failed:\n{r.stdout}\n{r.stderr}")
+            sys.exit(f"{workload} ({mode}) failed:\n{r.stdout}\n{r.stderr}")
         return float(m.group(1))
 
     results = {}
     for rnd in range(args.rounds):
-        configs = [(w, p) for w in chosen for p in (False, True)]
+        configs = [(w, m) for w in chosen for m in modes(w)]
         random.shuffle(configs)
         for c in configs:
             results.setdefault(c, []).append(run(*c))
         print(f"  round {rnd + 1}/{args.rounds} done", file=sys.stderr)
 
     print(f"\nmedian of {args.rounds} interleaved rounds, {os.cpu_count()} CPUs\n")
-    print("Slowdown: the ratio of medians; paired: the median of each round's ratio (middle half in brackets).\n")
-    print("| workload | no profiler | corsnap | slowdown | paired | added per unit | target |")
-    print("|---|---|---|---|---|---|---|")
+    print("Slowdown: the ratio of medians; paired: the median of each round's ratio (middle half in brackets).\n"
+          "Floor rows: the agent only takes the runtime's exception callbacks (monitor), and also makes the\n"
+          "synchronous walk the issue asks for (walk), and records nothing.\n")
+    print("| workload | agent does | no profiler | corsnap | slowdown | paired | added per unit | target |")
+    print("|---|---|---|---|---|---|---|---|")
+    labels = {"record": "records", "monitor": "floor: callbacks only", "walk": "floor: callbacks + walk"}
     for workload in chosen:
         event, unit, per_item, target = WORKLOADS[workload]
-        base = statistics.median(results[(workload, False)])
-        prof = statistics.median(results[(workload, True)])
+        base_times = results[(workload, "none")]
+        base = statistics.median(base_times)
         units = sizes[workload] * per_item
-        added_us = (prof - base) * 1000 / units
-        print(f"| {workload} (`--event {event}`) | {base:.0f} ms | {prof:.0f} ms | {prof / base:.3f} "
-              f"({(prof / base - 1) * 100:+.1f}%) | {paired_slowdown(results[(workload, False)], results[(workload, True)])} "
-              f"| {added_us:.2f} µs per {unit} (of {base * 1000 / units:.2f}) "
-              f"| {target} |")
+        for mode in modes(workload)[1:]:
+            times = results[(workload, mode)]
+            prof = statistics.median(times)
+            added_us = (prof - base) * 1000 / units
+            print(f"| {workload} (`--event {event}`) | {labels[mode]} | {base:.0f} ms | {prof:.0f} ms "
+                  f"| {prof / base:.3f} ({(prof / base - 1) * 100:+.1f}%) | {paired_slowdown(base_times, times)} "
+                  f"| {added_us:.2f} µs per {unit} (of {base * 1000 / units:.2f}) "
+                  f"| {target if mode == 'record' else '-'} |")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,11 @@ pub const ENV_LOG: &str = "CORSNAP_AGENT_LOG";
 /// resumes the runtime and walks nothing, which measures what the runtime's
 /// own suspension costs a program. Such a recording has no samples.
 pub const ENV_BENCH_SUSPEND_ONLY: &str = "CORSNAP_BENCH_SUSPEND_ONLY";
+/// For benchmarks only (`bench/events.py`): `monitor` makes `ExceptionThrown`
+/// return at once, `walk` makes it walk the thread's stack and drop it. They
+/// measure what the runtime's exception callbacks, and then its synchronous
+/// walk, cost by themselves. Such a recording has no exceptions.
+pub const ENV_BENCH_EXCEPTIONS: &str = "CORSNAP_BENCH_EXCEPTIONS";
 
 /// The agent's CLSID, as the runtime wants it in `CORECLR_PROFILER`.
 pub const AGENT_CLSID: &str = "{6A3B7C2E-9D41-4F8A-B5E2-3C7D1A9F0E64}";

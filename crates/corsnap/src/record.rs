@@ -289,9 +289,9 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
         eprintln!("corsnap: {}", describe_stats(&stats));
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
         eprintln!(
-            "corsnap: timing: first sample {:.1} ms after start; recording stopped at {:.1} ms; agent gone from the \
-             connection {:.1} ms later",
-            first_sample.map_or(f64::NAN, ms),
+            "corsnap: timing: first sample {}; recording stopped at {:.1} ms; agent gone from the connection {:.1} ms \
+             later",
+            first_sample.map_or("none".to_string(), |d| format!("{:.1} ms after start", ms(d))),
             ms(stopped_at),
             ms(goodbye_at) - ms(stopped_at)
         );
