@@ -3,7 +3,7 @@
 
 mod support;
 
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 use support::{count_with, describe, parse_collapsed, record, record_collapsed, scratch, Runtime};
 
@@ -454,4 +454,45 @@ fn a_terminal_gets_a_live_status_line_and_a_pipe_does_not() {
     assert!(text.contains("corsnap: recording ") && text.contains(" samples, 1 threads (Ctrl-C to stop)"), "{text}");
     let piped = record(Runtime::Net8, "split", &["1"], &["-f", "collapsed", "-o", out.to_str().unwrap()], None);
     assert!(!String::from_utf8_lossy(&piped.stderr).contains("corsnap: recording "));
+}
+
+/// The benchmark switches that measure the runtime's share of the cost
+/// record nothing of their own, and say so, while the runtime still does
+/// the work they measure.
+#[test]
+fn benchmark_floor_switches_do_the_runtimes_part_and_record_nothing() {
+    let dir = scratch("bench-switches");
+    let run = |program: &str, env: (&str, &str), args: &[&str]| {
+        let out = dir.join(format!("{program}.txt"));
+        let output = Command::new(support::corsnap_bin())
+            .arg("record")
+            .args(args)
+            .args(["--stats", "-f", "collapsed", "-o", out.to_str().unwrap(), "--"])
+            .arg(Runtime::Net8.dotnet())
+            .arg(support::compiled(program, Runtime::Net8))
+            .args(if program == "split" { &["1"][..] } else { &[][..] })
+            .env(env.0, env.1)
+            .env("DOTNET_SYSTEM_GLOBALIZATION_INVARIANT", "1")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr).to_string();
+        assert!(output.status.success(), "{stderr}");
+        stderr
+    };
+    let suspend_only = run("split", ("CORSNAP_BENCH_SUSPEND_ONLY", "1"), &["--max-pause", "100"]);
+    let ticks: u64 = suspend_only
+        .split("agent: ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no tick count: {suspend_only}"));
+    assert!(ticks > 20, "the runtime is suspended every tick: {suspend_only}");
+    assert!(suspend_only.contains(" 0 stacks,"), "{suspend_only}");
+    assert!(suspend_only.contains("no samples were recorded"), "{suspend_only}");
+
+    for mode in ["monitor", "walk"] {
+        let stderr = run("throws", ("CORSNAP_BENCH_EXCEPTIONS", mode), &["-e", "exceptions"]);
+        assert!(stderr.contains("no samples were recorded"), "{mode}: {stderr}");
+    }
 }
