@@ -5,7 +5,8 @@
 //! runtime's callback) needs no seed, no suspension and none of the
 //! cross-thread rules. The callback captures the raw stack and the subject
 //! (a `ClassID`, valid beyond the callback, unlike the `ObjectID` it came
-//! from) and queues them; the sampler thread names and sends them later, so
+//! from) and counts them in a tally of distinct stacks (or, for the rarer
+//! events, queues them); the sampler thread names and sends them later, so
 //! no callback ever holds a lock across a call into the runtime (Rule 3).
 
 use std::collections::HashMap;
@@ -185,17 +186,11 @@ pub struct EventQueue {
 
 /// Walks the calling thread's own stack, leaf first.
 pub fn own_stack(info: &CorProfilerInfo) -> (Vec<u64>, bool) {
-    let mut frames = Vec::with_capacity(64);
-    let mut truncated = false;
-    info.do_stack_snapshot(0, &mut |function| {
-        if frames.len() >= MAX_EVENT_FRAMES {
-            truncated = true;
-            return false;
-        }
-        frames.push(function as u64);
-        true
-    });
-    (frames, truncated)
+    let stack = OwnStack::walk(info);
+    let mut frames = Vec::with_capacity(stack.len);
+    frames.extend_from_slice(stack.inline_frames());
+    frames.extend_from_slice(&stack.spill);
+    (frames, stack.truncated)
 }
 
 /// A walk of the calling thread's stack, leaf first, that allocates only
@@ -226,9 +221,13 @@ impl OwnStack {
         stack
     }
 
+    fn inline_frames(&self) -> &[u64] {
+        &self.inline[..self.len.min(INLINE_FRAMES)]
+    }
+
     /// Calls `use_key` with the tally key: `head`, then the frames.
     fn with_key(&self, head: [u64; KEY_HEAD], use_key: impl FnOnce(&[u64])) {
-        let inline = &self.inline[..self.len.min(INLINE_FRAMES)];
+        let inline = self.inline_frames();
         if self.spill.is_empty() {
             let mut words = [0u64; KEY_HEAD + INLINE_FRAMES];
             words[..KEY_HEAD].copy_from_slice(&head);
@@ -411,7 +410,7 @@ mod tests {
         for i in 0..500u64 {
             queue.tally(EventKind::Exceptions, 50 + i, 0x20, &key(EventKind::Exceptions, 0x20, 0xc2, &[4, 2, 1]));
         }
-        // Same stack and type on another thread, and another type on the first.
+        // The same stack and type on another thread, and as another kind of event.
         queue.tally(EventKind::Exceptions, 7, 0x20, &key(EventKind::Exceptions, 0x20, 0xc1, &[3, 2, 1]));
         queue.tally(EventKind::ClassLoad, 8, 0x10, &key(EventKind::ClassLoad, 0x10, 0xc1, &[3, 2, 1]));
         let events = queue.take();
