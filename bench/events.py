@@ -13,7 +13,10 @@ the table also gives the cost per throw: a program's slowdown is that times
 its exception rate. For them the table also has floor rows
 (CORSNAP_BENCH_EXCEPTIONS): the runtime's exception callbacks alone, and
 those plus the one synchronous stack walk per exception that exact exception
-stacks need, which no recorder of them can go below.
+stacks need, which no recorder of them can go below. The alloc workload has
+one too (CORSNAP_BENCH_ALLOC_SESSION_ONLY): the runtime delivering its
+allocation ticks, each with a stack walk of its own, to an agent that
+ignores them.
 
     python3 bench/events.py [--rounds 7]
 """
@@ -52,7 +55,7 @@ def main():
     # workloads) with the agent doing only the runtime's share: its exception
     # callbacks (`monitor`), then also the synchronous walk (`walk`).
     def modes(workload):
-        floors = ["monitor", "walk"] if WORKLOADS[workload][0] == "exceptions" and args.floors else []
+        floors = {"exceptions": ["monitor", "walk"], "alloc": ["session"]}[WORKLOADS[workload][0]] if args.floors else []
         return ["none", "record"] + floors
 
     def run(workload, mode):
@@ -63,7 +66,9 @@ def main():
             cmd = program
         else:
             cmd = [corsnap, "record", "-e", event, "-f", "collapsed", "-o", f"{scratch}/p.txt", "--"] + program
-            if mode != "record":
+            if mode == "session":
+                e["CORSNAP_BENCH_ALLOC_SESSION_ONLY"] = "1"
+            elif mode != "record":
                 e["CORSNAP_BENCH_EXCEPTIONS"] = mode
         r = subprocess.run(cmd, env=e, capture_output=True, text=True)
         m = re.search(r"elapsed_ms ([\d.]+)", r.stdout)
@@ -82,10 +87,12 @@ def main():
     print(f"\nmedian of {args.rounds} interleaved rounds, {os.cpu_count()} CPUs\n")
     print("Slowdown: the ratio of medians; paired: the median of each round's ratio (middle half in brackets).\n"
           "Floor rows: the agent only takes the runtime's exception callbacks (monitor), and also makes the\n"
-          "synchronous walk the issue asks for (walk), and records nothing.\n")
+          "synchronous walk the issue asks for (walk); or it runs the EventPipe session that delivers allocation\n"
+          "ticks and ignores them (session). Floor rows record nothing.\n")
     print("| workload | agent does | no profiler | corsnap | slowdown | paired | added per unit | target |")
     print("|---|---|---|---|---|---|---|---|")
-    labels = {"record": "records", "monitor": "floor: callbacks only", "walk": "floor: callbacks + walk"}
+    labels = {"record": "records", "monitor": "floor: callbacks only", "walk": "floor: callbacks + walk",
+              "session": "floor: the runtime's allocation events only"}
     for workload in chosen:
         event, unit, per_item, target = WORKLOADS[workload]
         base_times = results[(workload, "none")]

@@ -43,6 +43,10 @@ pub const ENV_BENCH_SUSPEND_ONLY: &str = "CORSNAP_BENCH_SUSPEND_ONLY";
 /// measure what the runtime's exception callbacks, and then its synchronous
 /// walk, cost by themselves. Such a recording has no exceptions.
 pub const ENV_BENCH_EXCEPTIONS: &str = "CORSNAP_BENCH_EXCEPTIONS";
+/// For benchmarks only (`bench/events.py`): when `1`, the allocation
+/// profile's EventPipe session runs but its events are ignored, which
+/// measures what the runtime's delivery of them costs by itself.
+pub const ENV_BENCH_ALLOC_SESSION_ONLY: &str = "CORSNAP_BENCH_ALLOC_SESSION_ONLY";
 
 /// The agent's CLSID, as the runtime wants it in `CORECLR_PROFILER`.
 pub const AGENT_CLSID: &str = "{6A3B7C2E-9D41-4F8A-B5E2-3C7D1A9F0E64}";

@@ -470,7 +470,11 @@ fn benchmark_floor_switches_do_the_runtimes_part_and_record_nothing() {
             .args(["--stats", "-f", "collapsed", "-o", out.to_str().unwrap(), "--"])
             .arg(Runtime::Net8.dotnet())
             .arg(support::compiled(program, Runtime::Net8))
-            .args(if program == "split" { &["1"][..] } else { &[][..] })
+            .args(match program {
+                "split" => &["1"][..],
+                "allocs" => &["1"][..],
+                _ => &[][..],
+            })
             .env(env.0, env.1)
             .env("DOTNET_SYSTEM_GLOBALIZATION_INVARIANT", "1")
             .stdin(Stdio::null())
@@ -495,4 +499,6 @@ fn benchmark_floor_switches_do_the_runtimes_part_and_record_nothing() {
         let stderr = run("throws", ("CORSNAP_BENCH_EXCEPTIONS", mode), &["-e", "exceptions"]);
         assert!(stderr.contains("no samples were recorded"), "{mode}: {stderr}");
     }
+    let session_only = run("allocs", ("CORSNAP_BENCH_ALLOC_SESSION_ONLY", "1"), &["-e", "alloc"]);
+    assert!(session_only.contains("no samples were recorded"), "{session_only}");
 }
