@@ -194,9 +194,10 @@ pub fn own_stack(info: &CorProfilerInfo) -> (Vec<u64>, bool) {
 }
 
 /// A walk of the calling thread's stack, leaf first, that allocates only
-/// when the stack is deeper than [`INLINE_FRAMES`].
+/// when the stack is deeper than [`INLINE_FRAMES`]. The frames sit after
+/// room for a tally key's head, so the key is built in place.
 struct OwnStack {
-    inline: [u64; INLINE_FRAMES],
+    words: [u64; KEY_HEAD + INLINE_FRAMES],
     len: usize,
     spill: Vec<u64>,
     truncated: bool,
@@ -204,14 +205,14 @@ struct OwnStack {
 
 impl OwnStack {
     fn walk(info: &CorProfilerInfo) -> OwnStack {
-        let mut stack = OwnStack { inline: [0; INLINE_FRAMES], len: 0, spill: Vec::new(), truncated: false };
+        let mut stack = OwnStack { words: [0; KEY_HEAD + INLINE_FRAMES], len: 0, spill: Vec::new(), truncated: false };
         info.do_stack_snapshot(0, &mut |function| {
             if stack.len >= MAX_EVENT_FRAMES {
                 stack.truncated = true;
                 return false;
             }
             if stack.len < INLINE_FRAMES {
-                stack.inline[stack.len] = function as u64;
+                stack.words[KEY_HEAD + stack.len] = function as u64;
             } else {
                 stack.spill.push(function as u64);
             }
@@ -222,21 +223,18 @@ impl OwnStack {
     }
 
     fn inline_frames(&self) -> &[u64] {
-        &self.inline[..self.len.min(INLINE_FRAMES)]
+        &self.words[KEY_HEAD..KEY_HEAD + self.len.min(INLINE_FRAMES)]
     }
 
     /// Calls `use_key` with the tally key: `head`, then the frames.
-    fn with_key(&self, head: [u64; KEY_HEAD], use_key: impl FnOnce(&[u64])) {
-        let inline = self.inline_frames();
+    fn with_key(&mut self, head: [u64; KEY_HEAD], use_key: impl FnOnce(&[u64])) {
         if self.spill.is_empty() {
-            let mut words = [0u64; KEY_HEAD + INLINE_FRAMES];
-            words[..KEY_HEAD].copy_from_slice(&head);
-            words[KEY_HEAD..KEY_HEAD + inline.len()].copy_from_slice(inline);
-            use_key(&words[..KEY_HEAD + inline.len()]);
+            self.words[..KEY_HEAD].copy_from_slice(&head);
+            use_key(&self.words[..KEY_HEAD + self.len]);
         } else {
             let mut words = Vec::with_capacity(KEY_HEAD + self.len);
             words.extend_from_slice(&head);
-            words.extend_from_slice(inline);
+            words.extend_from_slice(self.inline_frames());
             words.extend_from_slice(&self.spill);
             use_key(&words);
         }
@@ -255,19 +253,20 @@ impl EventQueue {
         &self,
         info: &CorProfilerInfo,
         kind: EventKind,
-        time_ns: u64,
         thread: ThreadID,
         os_tid: u32,
         class: ClassID,
+        now_ns: impl FnOnce() -> u64,
     ) {
-        let stack = OwnStack::walk(info);
+        let mut stack = OwnStack::walk(info);
         let head = [kind as u64, thread as u64, os_tid as u64, class as u64, stack.truncated as u64];
-        stack.with_key(head, |key| self.tally(kind, time_ns, thread, key));
+        stack.with_key(head, |key| self.tally(kind, now_ns, thread, key));
     }
 
     /// Counts one more occurrence of `key` (a [`KEY_HEAD`] head, then the
-    /// frames).
-    fn tally(&self, kind: EventKind, time_ns: u64, thread: ThreadID, key: &[u64]) {
+    /// frames); the time is taken only for a stack not seen since the last
+    /// [`EventQueue::take`].
+    fn tally(&self, kind: EventKind, now_ns: impl FnOnce() -> u64, thread: ThreadID, key: &[u64]) {
         let mut shard = self.tally[tally_shard(thread)].lock().unwrap_or_else(|p| p.into_inner());
         if let Some(tallied) = shard.get_mut(key) {
             tallied.count += 1;
@@ -277,7 +276,7 @@ impl EventQueue {
             self.dropped.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        shard.insert(key.into(), Tallied { kind, count: 1, first_ns: time_ns });
+        shard.insert(key.into(), Tallied { kind, count: 1, first_ns: now_ns() });
     }
 
     pub fn push(&self, event: PendingEvent) {
@@ -405,14 +404,14 @@ mod tests {
     fn repeated_event_stacks_are_counted_exactly_and_taken_once() {
         let queue = EventQueue::default();
         for i in 0..1000u64 {
-            queue.tally(EventKind::Exceptions, 100 + i, 0x10, &key(EventKind::Exceptions, 0x10, 0xc1, &[3, 2, 1]));
+            queue.tally(EventKind::Exceptions, || 100 + i, 0x10, &key(EventKind::Exceptions, 0x10, 0xc1, &[3, 2, 1]));
         }
         for i in 0..500u64 {
-            queue.tally(EventKind::Exceptions, 50 + i, 0x20, &key(EventKind::Exceptions, 0x20, 0xc2, &[4, 2, 1]));
+            queue.tally(EventKind::Exceptions, || 50 + i, 0x20, &key(EventKind::Exceptions, 0x20, 0xc2, &[4, 2, 1]));
         }
         // The same stack and type on another thread, and as another kind of event.
-        queue.tally(EventKind::Exceptions, 7, 0x20, &key(EventKind::Exceptions, 0x20, 0xc1, &[3, 2, 1]));
-        queue.tally(EventKind::ClassLoad, 8, 0x10, &key(EventKind::ClassLoad, 0x10, 0xc1, &[3, 2, 1]));
+        queue.tally(EventKind::Exceptions, || 7, 0x20, &key(EventKind::Exceptions, 0x20, 0xc1, &[3, 2, 1]));
+        queue.tally(EventKind::ClassLoad, || 8, 0x10, &key(EventKind::ClassLoad, 0x10, 0xc1, &[3, 2, 1]));
         let events = queue.take();
         let summary: Vec<(EventKind, ThreadID, u32, Vec<u64>, u64, u64)> = events
             .iter()
@@ -440,10 +439,10 @@ mod tests {
         let thread = 0x30;
         let per_shard = MAX_PENDING / TALLY_SHARDS;
         for i in 0..per_shard as u64 + 10 {
-            queue.tally(EventKind::Exceptions, i, thread, &key(EventKind::Exceptions, thread as u64, 1, &[i]));
+            queue.tally(EventKind::Exceptions, || i, thread, &key(EventKind::Exceptions, thread as u64, 1, &[i]));
         }
         // A stack already tallied is still counted when the shard is full.
-        queue.tally(EventKind::Exceptions, 0, thread, &key(EventKind::Exceptions, thread as u64, 1, &[0]));
+        queue.tally(EventKind::Exceptions, || 0, thread, &key(EventKind::Exceptions, thread as u64, 1, &[0]));
         assert_eq!(queue.dropped.load(Ordering::Relaxed), 10);
         let events = queue.take();
         assert_eq!(events.len(), per_shard);
