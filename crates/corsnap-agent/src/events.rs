@@ -184,6 +184,12 @@ pub struct EventQueue {
     pub dropped: AtomicU64,
 }
 
+/// Walks the calling thread's own stack as a tallied event would, and
+/// keeps nothing: what the walk costs by itself, for the benchmarks' floor.
+pub fn walk_own_stack_only(info: &CorProfilerInfo) {
+    OwnStack::walk(info);
+}
+
 /// Walks the calling thread's own stack, leaf first.
 pub fn own_stack(info: &CorProfilerInfo) -> (Vec<u64>, bool) {
     let stack = OwnStack::walk(info);

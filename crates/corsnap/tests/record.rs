@@ -3,9 +3,9 @@
 
 mod support;
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 
-use support::{count_with, describe, parse_collapsed, record, record_collapsed, scratch, Runtime};
+use support::{count_with, describe, parse_collapsed, record, record_collapsed, record_with_env, scratch, Runtime};
 
 fn share_of_heavy(runtime: Runtime) {
     // 400 Hz: at 100 Hz the 300 samples of a 3 s run leave a standard error
@@ -462,29 +462,16 @@ fn a_terminal_gets_a_live_status_line_and_a_pipe_does_not() {
 #[test]
 fn benchmark_floor_switches_do_the_runtimes_part_and_record_nothing() {
     let dir = scratch("bench-switches");
-    let run = |program: &str, env: (&str, &str), args: &[&str]| {
+    let run = |program: &str, program_args: &[&str], env: (&str, &str), args: &[&str]| {
         let out = dir.join(format!("{program}.txt"));
-        let output = Command::new(support::corsnap_bin())
-            .arg("record")
-            .args(args)
-            .args(["--stats", "-f", "collapsed", "-o", out.to_str().unwrap(), "--"])
-            .arg(Runtime::Net8.dotnet())
-            .arg(support::compiled(program, Runtime::Net8))
-            .args(match program {
-                "split" => &["1"][..],
-                "allocs" => &["1"][..],
-                _ => &[][..],
-            })
-            .env(env.0, env.1)
-            .env("DOTNET_SYSTEM_GLOBALIZATION_INVARIANT", "1")
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
+        let mut all_args = args.to_vec();
+        all_args.extend(["--stats", "-f", "collapsed", "-o", out.to_str().unwrap()]);
+        let output = record_with_env(Runtime::Net8, program, program_args, &all_args, &[env], None);
         let stderr = String::from_utf8_lossy(&output.stderr).to_string();
         assert!(output.status.success(), "{stderr}");
         stderr
     };
-    let suspend_only = run("split", ("CORSNAP_BENCH_SUSPEND_ONLY", "1"), &["--max-pause", "100"]);
+    let suspend_only = run("split", &["1"], ("CORSNAP_BENCH_SUSPEND_ONLY", "1"), &["--max-pause", "100"]);
     let ticks: u64 = suspend_only
         .split("agent: ")
         .nth(1)
@@ -496,9 +483,9 @@ fn benchmark_floor_switches_do_the_runtimes_part_and_record_nothing() {
     assert!(suspend_only.contains("no samples were recorded"), "{suspend_only}");
 
     for mode in ["monitor", "walk"] {
-        let stderr = run("throws", ("CORSNAP_BENCH_EXCEPTIONS", mode), &["-e", "exceptions"]);
+        let stderr = run("throws", &[], ("CORSNAP_BENCH_EXCEPTIONS", mode), &["-e", "exceptions"]);
         assert!(stderr.contains("no samples were recorded"), "{mode}: {stderr}");
     }
-    let session_only = run("allocs", ("CORSNAP_BENCH_ALLOC_SESSION_ONLY", "1"), &["-e", "alloc"]);
+    let session_only = run("allocs", &["1"], ("CORSNAP_BENCH_ALLOC_SESSION_ONLY", "1"), &["-e", "alloc"]);
     assert!(session_only.contains("no samples were recorded"), "{session_only}");
 }

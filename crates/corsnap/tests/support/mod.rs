@@ -110,10 +110,23 @@ pub fn compiled(name: &str, runtime: Runtime) -> PathBuf {
 
 /// `corsnap record` with `args` (before `--`) around `dotnet <program>.dll <program_args>`.
 pub fn record(runtime: Runtime, program: &str, program_args: &[&str], args: &[&str], stdin: Option<&str>) -> Output {
+    record_with_env(runtime, program, program_args, args, &[], stdin)
+}
+
+/// [`record`], with extra environment variables for corsnap and the program.
+pub fn record_with_env(
+    runtime: Runtime,
+    program: &str,
+    program_args: &[&str],
+    args: &[&str],
+    env: &[(&str, &str)],
+    stdin: Option<&str>,
+) -> Output {
     let dll = compiled(program, runtime);
     let mut cmd = Command::new(corsnap_bin());
     cmd.arg("record").args(args).arg("--").arg(runtime.dotnet()).arg(&dll).args(program_args);
     cmd.env("DOTNET_SYSTEM_GLOBALIZATION_INVARIANT", "1");
+    cmd.envs(env.iter().copied());
     cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() });
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = cmd.spawn().expect("running corsnap");
