@@ -180,7 +180,9 @@ fn attach_and_detach_in_a_loop_under_thread_churn_and_gc_storm() {
             .spawn()
             .unwrap();
         let out = wait_with_deadline(child, Duration::from_secs(30), &format!("attach cycle {cycle}"));
-        assert!(out.status.success(), "cycle {cycle}: {}", String::from_utf8_lossy(&out.stderr));
+        if !out.status.success() {
+            panic!("cycle {cycle}: {}\n{}", String::from_utf8_lossy(&out.stderr), service.describe());
+        }
         service.wait_agent_gone();
         service.wait_heartbeats(1);
         assert!(service.is_alive(), "the storm service died");

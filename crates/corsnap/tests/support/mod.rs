@@ -185,6 +185,9 @@ pub struct Service {
     child: Child,
     pub pid: u32,
     heartbeats: Arc<AtomicU64>,
+    /// The end of what the service wrote to stderr: the runtime's last words
+    /// if it crashes.
+    stderr_tail: Arc<Mutex<String>>,
 }
 
 impl Service {
@@ -197,7 +200,7 @@ impl Service {
         let dll = compiled(program, runtime);
         let mut cmd = Command::new(runtime.dotnet());
         cmd.env("DOTNET_SYSTEM_GLOBALIZATION_INVARIANT", "1");
-        cmd.arg(&dll).args(args).stdout(Stdio::piped()).stderr(Stdio::null()).stdin(Stdio::null());
+        cmd.arg(&dll).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null());
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -216,11 +219,39 @@ impl Service {
                 }
             }
         });
-        Service { child, pid, heartbeats }
+        let stderr_tail = Arc::new(Mutex::new(String::new()));
+        let tail = stderr_tail.clone();
+        let stderr = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut tail = tail.lock().unwrap();
+                tail.push_str(&line);
+                tail.push('\n');
+                if tail.len() > 8192 {
+                    let cut = tail.len() - 4096;
+                    let cut = (cut..tail.len()).find(|&i| tail.is_char_boundary(i)).unwrap_or(0);
+                    tail.drain(..cut);
+                }
+            }
+        });
+        Service { child, pid, heartbeats, stderr_tail }
     }
 
     pub fn is_alive(&mut self) -> bool {
         self.child.try_wait().unwrap().is_none()
+    }
+
+    /// Whether the service still runs (or how it ended), and the end of its
+    /// stderr: for failure messages.
+    pub fn describe(&mut self) -> String {
+        // A process that is crashing may need a moment to end and finish
+        // its last words; one still running is described as such.
+        let _ = wait_for(Duration::from_secs(1), || self.child.try_wait().ok().flatten().is_some());
+        let state = match self.child.try_wait().unwrap() {
+            None => "still running".to_string(),
+            Some(status) => format!("ended: {status}"),
+        };
+        format!("service {state}; its stderr ends:\n{}", self.stderr_tail.lock().unwrap())
     }
 
     /// Waits until `n` more heartbeats have arrived: the service still runs
