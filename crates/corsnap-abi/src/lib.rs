@@ -20,6 +20,8 @@ mod callback;
 mod info;
 mod metadata;
 mod native_thread;
+pub mod process;
+pub mod signal;
 
 pub use callback::{class_factory_for, guard, ProfilerCallbacks, CALLBACK_VTABLE_SLOTS};
 pub use info::{CorProfilerInfo, RuntimeInfo, SnapshotVisit};

@@ -1,0 +1,895 @@
+//! The signal sampler's unsafe core: per-thread CPU timers, the `SIGPROF`
+//! handler that walks the interrupted thread's stack, the buffers it writes
+//! to, and the trampoline that lets the agent's library be unloaded safely.
+//!
+//! # What runs in the handler, and why each step is async-signal-safe
+//!
+//! The handler ([`on_signal`]) runs on whatever thread the kernel interrupted,
+//! which may hold any lock of libc, the loader or the runtime. It therefore
+//! calls nothing that takes a lock or allocates, and touches only memory that
+//! was set up before the signal could arrive:
+//!
+//! 1. `errno` is saved first and restored last (the interrupted code may be
+//!    about to read it).
+//! 2. The kernel's `siginfo_t` is read for `si_code` (only `SI_TIMER`
+//!    signals are ours; anything else is counted and ignored), the slot index
+//!    our timer put in `si_value`, and `si_overrun`.
+//! 3. The slot is found in [`SLOTS`] (a static array of atomic pointers) and
+//!    checked to belong to this thread: `gettid` is a plain system call.
+//! 4. The code map is loaded from [`MAP`] (an atomic pointer). The trampoline
+//!    counted us in before calling the handler, and the agent frees a
+//!    replaced map only after seeing that count at zero, so the map stays
+//!    alive until we return.
+//! 5. The interrupted registers come from the kernel's `ucontext_t`.
+//! 6. The stack is bounded by the mapping containing the interrupted stack
+//!    pointer, taken from the map (a sorted array, binary search).
+//! 7. `corsnap_unwind::walk` is safe Rust that never allocates (framehop with
+//!    `MustNotAllocateDuringUnwind`, pe-unwind-info is `no_std`); it reads
+//!    memory only through [`LiveMemory`], which allows that stack range and
+//!    the code regions of the map, and nothing else.
+//! 8. `clock_gettime(CLOCK_MONOTONIC)` is on POSIX's async-signal-safe list
+//!    (and served by the vDSO).
+//! 9. The frames go into the slot's single-producer ring with relaxed stores
+//!    and one release store; a full ring drops the sample and counts it.
+//!
+//! The slot's walk cache and scratch buffer are touched only by the handler
+//! on the slot's own thread, and a handler never interrupts itself: `SIGPROF`
+//! stays blocked while its handler runs (no `SA_NODEFER`).
+//!
+//! # Leaving the process
+//!
+//! The kernel enters the handler through a small trampoline in a page of its
+//! own (not part of the agent's library): it counts itself in, calls the
+//! current target, counts itself out and returns. On detach the agent deletes
+//! every timer, sets `SIGPROF` to `SIG_IGN` (which discards signals already
+//! pending on any thread), restores the previous disposition, points the
+//! trampoline at a bare `ret`, and waits for the count to reach zero. After
+//! that no instruction of the library can run on a signal: a thread that was
+//! entering the trampoline at that moment calls the `ret`. The page stays, is
+//! named `corsnap-signal-trampoline`, and is reused by the next attach.
+
+use std::cell::UnsafeCell;
+use std::ffi::{c_int, c_void};
+use std::ptr::null_mut;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use corsnap_unwind::{CodeMap, Memory, Regs, WalkCache};
+
+/// The signal the timers raise. The runtime owns `SIGRTMIN` and several
+/// others; `SIGPROF` is free in CoreCLR and is what profilers use.
+pub const SAMPLE_SIGNAL: c_int = libc::SIGPROF;
+/// Frames kept per sample; deeper stacks keep their leaf end.
+pub const MAX_FRAMES: usize = 1024;
+/// Each thread's ring holds this many 8-byte words (64 KiB): tens of
+/// samples between two drains.
+pub const RING_WORDS: usize = 8192;
+/// Threads that can be sampled at once.
+pub const MAX_SLOTS: usize = 16384;
+/// A record in a ring: header, weight, time, then the frames.
+const RECORD_HEAD: usize = 3;
+
+/// `si_code` of a signal raised by a POSIX timer.
+const SI_TIMER: c_int = -2;
+
+// siginfo_t for timer signals (kernel `__sifields._timer`): si_code at 8,
+// si_overrun at 20, si_value at 24; 128 bytes in all.
+const _: () = assert!(std::mem::size_of::<libc::siginfo_t>() == 128);
+const SI_CODE_OFFSET: usize = 8;
+const SI_OVERRUN_OFFSET: usize = 20;
+const SI_VALUE_OFFSET: usize = 24;
+
+/// The slots of the threads being sampled, indexed by the value each
+/// thread's timer carries.
+static SLOTS: [AtomicPtr<ThreadSlot>; MAX_SLOTS] = [const { AtomicPtr::new(null_mut()) }; MAX_SLOTS];
+/// The code map walks read; replaced whole, freed only when no handler runs.
+static MAP: AtomicPtr<CodeMap> = AtomicPtr::new(null_mut());
+/// Samples are taken only while this is set.
+static ENABLED: AtomicBool = AtomicBool::new(false);
+/// Counters for signals that could not become samples.
+static NOT_READY: AtomicU64 = AtomicU64::new(0);
+static FOREIGN: AtomicU64 = AtomicU64::new(0);
+static NO_SLOT: AtomicU64 = AtomicU64::new(0);
+static PANICKED: AtomicU64 = AtomicU64::new(0);
+
+/// One sampled thread: its walk scratch (used only by the handler on that
+/// thread) and the ring the agent drains.
+pub struct ThreadSlot {
+    tid: u32,
+    walking: UnsafeCell<Walking>,
+    ring: Ring,
+    /// Samples written.
+    pub samples: AtomicU64,
+    /// Samples dropped because the ring was full.
+    pub dropped_full: AtomicU64,
+    /// Signals whose stack pointer was in no known stack mapping.
+    pub unknown_stack: AtomicU64,
+}
+
+struct Walking {
+    cache: WalkCache,
+    frames: [u64; MAX_FRAMES],
+}
+
+// SAFETY: `walking` is only touched by the signal handler running on thread
+// `tid` (checked with gettid before use), which cannot run twice at once on
+// one thread; everything else is atomic.
+unsafe impl Sync for ThreadSlot {}
+// SAFETY: as above; the slot holds no thread-bound resources.
+unsafe impl Send for ThreadSlot {}
+
+impl std::fmt::Debug for ThreadSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ThreadSlot(tid {})", self.tid)
+    }
+}
+
+/// A single-producer, single-consumer ring of words. The producer is the
+/// signal handler on one thread; the consumer is the agent's thread.
+struct Ring {
+    words: Box<[AtomicU64]>,
+    /// Words ever written (producer); published with release.
+    head: AtomicUsize,
+    /// Words ever consumed (consumer).
+    tail: AtomicUsize,
+}
+
+impl Ring {
+    fn new() -> Ring {
+        Ring {
+            words: (0..RING_WORDS).map(|_| AtomicU64::new(0)).collect(),
+            head: AtomicUsize::new(0),
+            tail: AtomicUsize::new(0),
+        }
+    }
+
+    /// Appends one record, or returns false if it does not fit.
+    fn push(&self, head: [u64; RECORD_HEAD], frames: &[u64]) -> bool {
+        let n = RECORD_HEAD + frames.len();
+        let h = self.head.load(Ordering::Relaxed);
+        let t = self.tail.load(Ordering::Acquire);
+        if RING_WORDS - (h - t) < n {
+            return false;
+        }
+        for (i, &w) in head.iter().chain(frames).enumerate() {
+            self.words[(h + i) % RING_WORDS].store(w, Ordering::Relaxed);
+        }
+        self.head.store(h + n, Ordering::Release);
+        true
+    }
+}
+
+/// One sample as the agent drains it.
+#[derive(Debug, Clone, Copy)]
+pub struct RawSample<'a> {
+    /// Timer intervals this sample stands for (1 + overrun).
+    pub intervals: u64,
+    /// `CLOCK_MONOTONIC` nanoseconds when it was taken.
+    pub time_ns: u64,
+    /// `corsnap_unwind::flags`.
+    pub flags: u32,
+    /// Leaf first; see `corsnap_unwind::EXACT_IP`.
+    pub frames: &'a [u64],
+}
+
+impl ThreadSlot {
+    pub fn tid(&self) -> u32 {
+        self.tid
+    }
+
+    /// Hands every complete record to `f`, oldest first, and frees its room.
+    pub fn drain(&self, scratch: &mut Vec<u64>, mut f: impl FnMut(RawSample<'_>)) {
+        let ring = &self.ring;
+        let h = ring.head.load(Ordering::Acquire);
+        let mut t = ring.tail.load(Ordering::Relaxed);
+        while t < h {
+            let word = |i: usize| ring.words[(t + i) % RING_WORDS].load(Ordering::Relaxed);
+            let header = word(0);
+            let len = (header & 0xffff_ffff) as usize;
+            if RECORD_HEAD + len > h - t {
+                break; // cannot happen: the producer publishes whole records
+            }
+            scratch.clear();
+            scratch.extend((0..len).map(|i| word(RECORD_HEAD + i)));
+            f(RawSample { intervals: word(1), time_ns: word(2), flags: (header >> 32) as u32, frames: scratch });
+            t += RECORD_HEAD + len;
+        }
+        ring.tail.store(t, Ordering::Release);
+    }
+}
+
+/// What the handler may read: the interrupted thread's stack, and code the
+/// map lists.
+struct LiveMemory<'a> {
+    stack: std::ops::Range<u64>,
+    map: &'a CodeMap,
+}
+
+impl Memory for LiveMemory<'_> {
+    fn stack_word(&self, addr: u64) -> Option<u64> {
+        if addr < self.stack.start || addr > self.stack.end.checked_sub(8)? {
+            return None;
+        }
+        // SAFETY: the range is the mapping that holds this thread's stack
+        // pointer, and the thread is running on it (it is us): mapped.
+        Some(unsafe { (addr as *const u64).read_unaligned() })
+    }
+
+    fn code_bytes(&self, range: std::ops::Range<u64>) -> Option<&[u8]> {
+        let region = self.map.managed_at(range.start)?;
+        if range.end > region.code.end || range.start > range.end {
+            return None;
+        }
+        // SAFETY: the agent lists a managed region only while its code is
+        // mapped (removed, and handlers waited out, before a module unloads),
+        // and the range lies inside it.
+        Some(unsafe { std::slice::from_raw_parts(range.start as *const u8, (range.end - range.start) as usize) })
+    }
+}
+
+/// The signal handler, entered through the trampoline. Every step is listed
+/// in the module documentation.
+extern "C" fn on_signal(_signal: c_int, info: *mut libc::siginfo_t, context: *mut c_void) {
+    // SAFETY: __errno_location returns this thread's errno slot.
+    let errno = unsafe { *libc::__errno_location() };
+    // The walk is panic-free by construction; should a dependency panic
+    // anyway, sampling stops instead of unwinding out of a signal handler.
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: the kernel passes a valid siginfo_t and ucontext_t for the
+        // duration of the handler.
+        unsafe { take_sample(info, context) }
+    }))
+    .is_err()
+    {
+        ENABLED.store(false, Ordering::Relaxed);
+        PANICKED.fetch_add(1, Ordering::Relaxed);
+    }
+    // SAFETY: as above.
+    unsafe { *libc::__errno_location() = errno };
+}
+
+/// # Safety
+/// `info` and `context` are the handler's arguments for a `SA_SIGINFO`
+/// handler.
+unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
+    if !ENABLED.load(Ordering::Acquire) {
+        NOT_READY.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    let raw = info as *const u8;
+    // SAFETY: offsets inside the 128-byte siginfo_t (asserted above).
+    let (code, overrun, value) = unsafe {
+        (
+            (raw.add(SI_CODE_OFFSET) as *const c_int).read_unaligned(),
+            (raw.add(SI_OVERRUN_OFFSET) as *const c_int).read_unaligned(),
+            (raw.add(SI_VALUE_OFFSET) as *const usize).read_unaligned(),
+        )
+    };
+    if code != SI_TIMER {
+        FOREIGN.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    let Some(slot) = SLOTS.get(value & 0xffff_ffff).map(|s| s.load(Ordering::Acquire)) else {
+        NO_SLOT.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::gettid() } as u32;
+    // SAFETY: a non-null slot pointer stays valid until the agent frees it,
+    // which it does only after its thread has exited (or after every signal
+    // has been discarded and every handler has left, on detach).
+    let Some(slot) = (unsafe { slot.as_ref() }).filter(|s| s.tid == tid) else {
+        NO_SLOT.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    // SAFETY: see step 4 of the module documentation.
+    let Some(map) = (unsafe { MAP.load(Ordering::Acquire).as_ref() }) else {
+        NOT_READY.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    // SAFETY: the kernel's ucontext_t for this signal.
+    let gregs = unsafe { &(*(context as *const libc::ucontext_t)).uc_mcontext.gregs };
+    let regs = Regs {
+        ip: gregs[libc::REG_RIP as usize] as u64,
+        sp: gregs[libc::REG_RSP as usize] as u64,
+        bp: gregs[libc::REG_RBP as usize] as u64,
+    };
+    let Some(stack) = map.stack_containing(regs.sp) else {
+        slot.unknown_stack.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    // SAFETY: only this thread's handler touches `walking` (tid checked
+    // above), and it cannot be re-entered while SIGPROF is blocked.
+    let walking = unsafe { &mut *slot.walking.get() };
+    let memory = LiveMemory { stack, map };
+    let walk = corsnap_unwind::walk(map, &memory, regs, &mut walking.cache, &mut walking.frames);
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime is async-signal-safe; valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    let time_ns = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
+    let frames = walking.frames.get(..walk.len).unwrap_or(&[]);
+    let header = frames.len() as u64 | u64::from(walk.flags) << 32;
+    let intervals = 1 + overrun.max(0) as u64;
+    if slot.ring.push([header, intervals, time_ns], frames) {
+        slot.samples.fetch_add(1, Ordering::Relaxed);
+    } else {
+        slot.dropped_full.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Counters of signals that did not become samples, process-wide.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SignalCounters {
+    /// Arrived before the agent was ready or after it stopped.
+    pub not_ready: u64,
+    /// `SIGPROF`s not raised by our timers (sent by someone else).
+    pub foreign: u64,
+    /// For a slot that no longer (or never) belonged to the thread.
+    pub no_slot: u64,
+    /// A dependency panicked inside the handler (sampling then stops).
+    pub panicked: u64,
+}
+
+pub fn counters() -> SignalCounters {
+    SignalCounters {
+        not_ready: NOT_READY.load(Ordering::Relaxed),
+        foreign: FOREIGN.load(Ordering::Relaxed),
+        no_slot: NO_SLOT.load(Ordering::Relaxed),
+        panicked: PANICKED.load(Ordering::Relaxed),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The trampoline.
+
+const TRAMPOLINE_NAME: &str = "corsnap-signal-trampoline";
+const PAGE: usize = 4096;
+const TRAMPOLINE_MAGIC: u64 = 0x434f_5253_4e41_5031; // "CORSNAP1"
+/// Offsets in the data page.
+const DATA_MAGIC: usize = 0;
+const DATA_IN_FLIGHT: usize = 8;
+const DATA_TARGET: usize = 16;
+/// Offset of the bare `ret` in the code page.
+const RET_STUB: usize = 48;
+
+/// The trampoline's code page followed by its data page (`in_flight`,
+/// `target`).
+#[derive(Debug, Clone, Copy)]
+struct Trampoline {
+    code: usize,
+}
+
+impl Trampoline {
+    fn data(&self) -> usize {
+        self.code + PAGE
+    }
+
+    fn in_flight(&self) -> &'static AtomicU64 {
+        // SAFETY: the data page is mapped read-write for the life of the
+        // process (never unmapped), 8-aligned.
+        unsafe { &*((self.data() + DATA_IN_FLIGHT) as *const AtomicU64) }
+    }
+
+    fn target(&self) -> &'static AtomicUsize {
+        // SAFETY: as above.
+        unsafe { &*((self.data() + DATA_TARGET) as *const AtomicUsize) }
+    }
+
+    fn entry(&self) -> usize {
+        self.code
+    }
+
+    fn idle(&self) -> usize {
+        self.code + RET_STUB
+    }
+
+    /// Finds the trampoline an earlier attach left, or makes one.
+    fn get() -> std::io::Result<Trampoline> {
+        if let Some(t) = Self::find() {
+            return Ok(t);
+        }
+        Self::create()
+    }
+
+    fn find() -> Option<Trampoline> {
+        let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+        for line in maps.lines() {
+            if !line.contains(TRAMPOLINE_NAME) || !line.contains("r-x") {
+                continue;
+            }
+            let start = u64::from_str_radix(line.split('-').next()?, 16).ok()? as usize;
+            let magic = crate::process::read_own_u64((start + PAGE + DATA_MAGIC) as u64)?;
+            if magic == TRAMPOLINE_MAGIC {
+                return Some(Trampoline { code: start });
+            }
+        }
+        None
+    }
+
+    fn create() -> std::io::Result<Trampoline> {
+        // A memfd mapping shows its name in /proc/self/maps, so the next
+        // attach (a fresh copy of this library) finds the page again.
+        let name = std::ffi::CString::new(TRAMPOLINE_NAME).expect("no NUL");
+        // SAFETY: valid NUL-terminated name.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        let (flags, fd) = if fd >= 0 {
+            // SAFETY: fd is ours.
+            if unsafe { libc::ftruncate(fd, (2 * PAGE) as libc::off_t) } != 0 {
+                // SAFETY: closing our own fd.
+                unsafe { libc::close(fd) };
+                (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1)
+            } else {
+                (libc::MAP_SHARED, fd)
+            }
+        } else {
+            (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1)
+        };
+        // SAFETY: a fresh mapping of two pages; fd is ours or -1.
+        let base = unsafe { libc::mmap(null_mut(), 2 * PAGE, libc::PROT_READ | libc::PROT_WRITE, flags, fd, 0) };
+        if fd >= 0 {
+            // SAFETY: the mapping keeps the memfd alive.
+            unsafe { libc::close(fd) };
+        }
+        if base == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let code = base as usize;
+        let data = code + PAGE;
+        let rel = |field: usize, next_ip: usize| ((data + field) as i64 - (code + next_ip) as i64) as i32;
+        let mut bytes = Vec::with_capacity(64);
+        // lock inc qword [rip + in_flight]
+        bytes.extend_from_slice(&[0xf0, 0x48, 0xff, 0x05]);
+        bytes.extend_from_slice(&rel(DATA_IN_FLIGHT, 8).to_le_bytes());
+        // sub rsp, 8   (keep the 16-byte alignment the callee expects)
+        bytes.extend_from_slice(&[0x48, 0x83, 0xec, 0x08]);
+        // mov rax, [rip + target]
+        bytes.extend_from_slice(&[0x48, 0x8b, 0x05]);
+        bytes.extend_from_slice(&rel(DATA_TARGET, 19).to_le_bytes());
+        // call rax
+        bytes.extend_from_slice(&[0xff, 0xd0]);
+        // add rsp, 8
+        bytes.extend_from_slice(&[0x48, 0x83, 0xc4, 0x08]);
+        // lock dec qword [rip + in_flight]
+        bytes.extend_from_slice(&[0xf0, 0x48, 0xff, 0x0d]);
+        bytes.extend_from_slice(&rel(DATA_IN_FLIGHT, 33).to_le_bytes());
+        // ret
+        bytes.push(0xc3);
+        assert_eq!(bytes.len(), 34);
+        bytes.resize(RET_STUB, 0xcc);
+        bytes.push(0xc3); // the idle target: return at once
+                          // SAFETY: the two fresh pages are ours and writable.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), code as *mut u8, bytes.len());
+            *((data + DATA_IN_FLIGHT) as *mut u64) = 0;
+            *((data + DATA_TARGET) as *mut usize) = code + RET_STUB;
+            *((data + DATA_MAGIC) as *mut u64) = TRAMPOLINE_MAGIC;
+        }
+        // SAFETY: our own first page.
+        if unsafe { libc::mprotect(base, PAGE, libc::PROT_READ | libc::PROT_EXEC) } != 0 {
+            let e = std::io::Error::last_os_error();
+            // SAFETY: unmapping what we mapped.
+            unsafe { libc::munmap(base, 2 * PAGE) };
+            return Err(e);
+        }
+        if fd < 0 {
+            // Name the anonymous fallback so `find` can see it.
+            // SAFETY: prctl with a valid range and name; failure is harmless.
+            unsafe {
+                libc::prctl(libc::PR_SET_VMA, libc::PR_SET_VMA_ANON_NAME, base as usize, PAGE, name.as_ptr() as usize)
+            };
+        }
+        Ok(Trampoline { code })
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The safe interface the agent uses.
+
+/// Why the signal sampler could not start.
+#[derive(Debug)]
+pub enum InstallError {
+    /// The application has its own `SIGPROF` handler; corsnap will not
+    /// replace it or steal its signals.
+    SignalInUse,
+    /// A system call failed.
+    Os(std::io::Error),
+}
+
+impl std::fmt::Display for InstallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            InstallError::SignalInUse => write!(f, "the program has its own SIGPROF handler"),
+            InstallError::Os(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+/// The installed signal handler. Only one exists at a time; dropping it
+/// without [`SignalSampler::uninstall`] leaves the handler installed, so the
+/// agent always uninstalls.
+#[derive(Debug)]
+pub struct SignalSampler {
+    trampoline: Trampoline,
+    previous: libc::sigaction,
+    retired: Vec<*mut CodeMap>,
+    timers: Vec<(usize, i32)>,
+    free_slots: Vec<usize>,
+    next_slot: usize,
+}
+
+// SAFETY: the raw map pointers are owned (Arc::into_raw) and only freed here.
+unsafe impl Send for SignalSampler {}
+
+/// A thread's timer, identified by its slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SlotId(usize);
+
+impl SignalSampler {
+    /// Installs the handler for [`SAMPLE_SIGNAL`] (refusing if the program
+    /// has one of its own) with sampling disabled.
+    pub fn install() -> Result<SignalSampler, InstallError> {
+        if INSTALLED.swap(true, Ordering::SeqCst) {
+            return Err(InstallError::Os(std::io::Error::other("the signal sampler is already installed")));
+        }
+        let result = Self::install_inner();
+        if result.is_err() {
+            INSTALLED.store(false, Ordering::SeqCst);
+        }
+        result
+    }
+
+    fn install_inner() -> Result<SignalSampler, InstallError> {
+        // SAFETY: querying a disposition into a zeroed struct.
+        let mut previous: libc::sigaction = unsafe { std::mem::zeroed() };
+        // SAFETY: valid out-pointer.
+        if unsafe { libc::sigaction(SAMPLE_SIGNAL, null_mut(), &mut previous) } != 0 {
+            return Err(InstallError::Os(std::io::Error::last_os_error()));
+        }
+        let trampoline = Trampoline::get().map_err(InstallError::Os)?;
+        if previous.sa_sigaction != libc::SIG_DFL
+            && previous.sa_sigaction != libc::SIG_IGN
+            && previous.sa_sigaction != trampoline.entry()
+        {
+            return Err(InstallError::SignalInUse);
+        }
+        if previous.sa_sigaction == trampoline.entry() {
+            // A detach that could not restore the disposition: what was there
+            // before it is the default.
+            previous.sa_sigaction = libc::SIG_DFL;
+        }
+        let handler: extern "C" fn(c_int, *mut libc::siginfo_t, *mut c_void) = on_signal;
+        trampoline.target().store(handler as usize, Ordering::SeqCst);
+        // SAFETY: zeroed sigaction, then filled in.
+        let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
+        action.sa_sigaction = trampoline.entry();
+        // SA_RESTART: interrupted system calls resume (most of them: socket
+        // calls with timeouts do not, which is why timers count CPU time and
+        // blocked threads are never signalled). No SA_ONSTACK: the handler
+        // runs on the interrupted stack. No SA_NODEFER: never re-entered.
+        action.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
+        // SAFETY: valid mask pointer.
+        unsafe { libc::sigemptyset(&mut action.sa_mask) };
+        // SAFETY: valid action; the entry point is our trampoline's code.
+        if unsafe { libc::sigaction(SAMPLE_SIGNAL, &action, null_mut()) } != 0 {
+            return Err(InstallError::Os(std::io::Error::last_os_error()));
+        }
+        Ok(SignalSampler {
+            trampoline,
+            previous,
+            retired: Vec::new(),
+            timers: Vec::new(),
+            free_slots: Vec::new(),
+            next_slot: 0,
+        })
+    }
+
+    /// Whether our handler is still the one installed (a program may replace
+    /// it later).
+    pub fn handler_in_place(&self) -> bool {
+        // SAFETY: querying into a zeroed struct.
+        let mut current: libc::sigaction = unsafe { std::mem::zeroed() };
+        // SAFETY: valid out-pointer.
+        let ok = unsafe { libc::sigaction(SAMPLE_SIGNAL, null_mut(), &mut current) == 0 };
+        ok && current.sa_sigaction == self.trampoline.entry()
+    }
+
+    /// glibc's signal return trampoline (`__restore_rt`), which the kernel
+    /// puts as the return address of every handler glibc installs: the mark
+    /// of a signal frame on a stack. 0 if glibc did not fill it in.
+    pub fn sigreturn_trampoline() -> u64 {
+        // SAFETY: querying into a zeroed struct.
+        let mut current: libc::sigaction = unsafe { std::mem::zeroed() };
+        // SAFETY: valid out-pointer.
+        if unsafe { libc::sigaction(SAMPLE_SIGNAL, null_mut(), &mut current) } != 0 {
+            return 0;
+        }
+        current.sa_restorer.map_or(0, |f| f as usize as u64)
+    }
+
+    /// Starts or stops turning signals into samples.
+    pub fn set_enabled(&self, on: bool) {
+        ENABLED.store(on, Ordering::Release);
+    }
+
+    /// Publishes a new code map for walks; the old one is freed once no
+    /// handler can be using it.
+    pub fn publish(&mut self, map: Arc<CodeMap>) {
+        let new = Arc::into_raw(map) as *mut CodeMap;
+        let old = MAP.swap(new, Ordering::SeqCst);
+        if !old.is_null() {
+            self.retired.push(old);
+        }
+        self.reclaim();
+    }
+
+    /// Frees replaced maps if no handler is running now: a handler that read
+    /// the old pointer counted itself in before reading it.
+    pub fn reclaim(&mut self) {
+        if self.retired.is_empty() || self.trampoline.in_flight().load(Ordering::SeqCst) != 0 {
+            return;
+        }
+        for p in self.retired.drain(..) {
+            // SAFETY: made by Arc::into_raw in `publish`, no longer in MAP,
+            // and no handler holds it (count observed at zero after the swap).
+            drop(unsafe { Arc::from_raw(p as *const CodeMap) });
+        }
+    }
+
+    /// Starts sampling thread `tid` every `interval_ns` of its CPU time.
+    pub fn add_thread(&mut self, tid: u32, interval_ns: u64) -> std::io::Result<SlotId> {
+        let index = match self.free_slots.pop() {
+            Some(i) => i,
+            None if self.next_slot < MAX_SLOTS => {
+                self.next_slot += 1;
+                self.next_slot - 1
+            }
+            None => return Err(std::io::Error::other("too many threads")),
+        };
+        let slot = Box::new(ThreadSlot {
+            tid,
+            walking: UnsafeCell::new(Walking { cache: WalkCache::new(), frames: [0; MAX_FRAMES] }),
+            ring: Ring::new(),
+            samples: AtomicU64::new(0),
+            dropped_full: AtomicU64::new(0),
+            unknown_stack: AtomicU64::new(0),
+        });
+        SLOTS[index].store(Box::into_raw(slot), Ordering::Release);
+        match create_cpu_timer(tid, index, interval_ns) {
+            Ok(timer) => {
+                self.timers.push((index, timer));
+                Ok(SlotId(index))
+            }
+            Err(e) => {
+                let p = SLOTS[index].swap(null_mut(), Ordering::SeqCst);
+                // SAFETY: no timer exists for this slot, so no handler can
+                // have found it.
+                drop(unsafe { Box::from_raw(p) });
+                self.free_slots.push(index);
+                Err(e)
+            }
+        }
+    }
+
+    /// The slot of a sampled thread, for draining.
+    pub fn slot(&self, id: SlotId) -> Option<&ThreadSlot> {
+        // SAFETY: slots are freed only by `remove_exited_thread` and
+        // `uninstall`, which take `&mut self`.
+        unsafe { SLOTS.get(id.0)?.load(Ordering::Acquire).as_ref() }
+    }
+
+    /// Stops sampling a thread that has exited, and frees its slot. The
+    /// caller drains it first. Must only be called once the thread is gone:
+    /// a live thread could still have a signal pending.
+    pub fn remove_exited_thread(&mut self, id: SlotId) {
+        if let Some(pos) = self.timers.iter().position(|&(i, _)| i == id.0) {
+            let (_, timer) = self.timers.swap_remove(pos);
+            delete_timer(timer);
+        }
+        let p = SLOTS[id.0].swap(null_mut(), Ordering::SeqCst);
+        if !p.is_null() {
+            // SAFETY: the thread has exited, so no handler runs on it; only
+            // its handler ever dereferences the slot.
+            drop(unsafe { Box::from_raw(p) });
+            self.free_slots.push(id.0);
+        }
+    }
+
+    /// Changes every timer's interval.
+    pub fn set_interval(&self, interval_ns: u64) {
+        for &(_, timer) in &self.timers {
+            let _ = arm_timer(timer, interval_ns);
+        }
+    }
+
+    /// Takes the handler out of the process: no timer, no pending signal, no
+    /// handler running, the previous disposition back. After this returns,
+    /// no signal can reach the library's code. `false` if handlers were
+    /// still running after `timeout` (the slots are then leaked, not freed).
+    pub fn uninstall(mut self, timeout: Duration) -> bool {
+        ENABLED.store(false, Ordering::SeqCst);
+        for (_, timer) in std::mem::take(&mut self.timers) {
+            delete_timer(timer);
+        }
+        // SAFETY: zeroed sigaction with SIG_IGN: setting a pending signal to
+        // be ignored discards it on every thread (POSIX, and Linux does so).
+        unsafe {
+            let mut ignore: libc::sigaction = std::mem::zeroed();
+            ignore.sa_sigaction = libc::SIG_IGN;
+            libc::sigemptyset(&mut ignore.sa_mask);
+            libc::sigaction(SAMPLE_SIGNAL, &ignore, null_mut());
+            libc::sigaction(SAMPLE_SIGNAL, &self.previous, null_mut());
+        }
+        self.trampoline.target().store(self.trampoline.idle(), Ordering::SeqCst);
+        let deadline = Instant::now() + timeout;
+        let mut quiet = false;
+        while Instant::now() < deadline {
+            if self.trampoline.in_flight().load(Ordering::SeqCst) == 0 {
+                quiet = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        INSTALLED.store(false, Ordering::SeqCst);
+        if !quiet {
+            return false;
+        }
+        let map = MAP.swap(null_mut(), Ordering::SeqCst);
+        if !map.is_null() {
+            self.retired.push(map);
+        }
+        self.reclaim();
+        for slot in SLOTS.iter().take(self.next_slot) {
+            let p = slot.swap(null_mut(), Ordering::SeqCst);
+            if !p.is_null() {
+                // SAFETY: no signal is pending or can be raised, and no
+                // handler is running (count at zero with the target idle).
+                drop(unsafe { Box::from_raw(p) });
+            }
+        }
+        true
+    }
+}
+
+/// The kernel's `struct sigevent` (64 bytes) with `SIGEV_THREAD_ID`.
+#[repr(C)]
+struct KernelSigevent {
+    value: usize,
+    signo: c_int,
+    notify: c_int,
+    tid: c_int,
+    pad: [c_int; 11],
+}
+const _: () = assert!(std::mem::size_of::<KernelSigevent>() == 64);
+const SIGEV_THREAD_ID: c_int = 4;
+
+/// A timer on thread `tid`'s CPU clock that signals that thread with
+/// `slot` in `si_value`. Made with the raw system call: glibc's wrapper
+/// would hand back its own id for the same thing.
+fn create_cpu_timer(tid: u32, slot: usize, interval_ns: u64) -> std::io::Result<i32> {
+    // MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)
+    let clock = ((!tid) << 3 | 6) as c_int;
+    let event =
+        KernelSigevent { value: slot, signo: SAMPLE_SIGNAL, notify: SIGEV_THREAD_ID, tid: tid as c_int, pad: [0; 11] };
+    let mut id: c_int = 0;
+    // SAFETY: valid pointers to a kernel sigevent and an int.
+    let rc =
+        unsafe { libc::syscall(libc::SYS_timer_create, clock, &event as *const KernelSigevent, &mut id as *mut c_int) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if let Err(e) = arm_timer(id, interval_ns) {
+        delete_timer(id);
+        return Err(e);
+    }
+    Ok(id)
+}
+
+fn arm_timer(id: i32, interval_ns: u64) -> std::io::Result<()> {
+    let ts =
+        libc::timespec { tv_sec: (interval_ns / 1_000_000_000) as i64, tv_nsec: (interval_ns % 1_000_000_000) as i64 };
+    let spec = libc::itimerspec { it_interval: ts, it_value: ts };
+    // SAFETY: valid itimerspec; the kernel checks the id.
+    let rc = unsafe {
+        libc::syscall(libc::SYS_timer_settime, id, 0, &spec as *const libc::itimerspec, null_mut::<libc::itimerspec>())
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn delete_timer(id: i32) {
+    // SAFETY: deleting a timer id we created; errors are harmless.
+    unsafe { libc::syscall(libc::SYS_timer_delete, id) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use corsnap_unwind::process::{native_module, parse_maps, stack_ranges, LoadedElf};
+    use corsnap_unwind::{address_of, flags};
+
+    fn own_code_map() -> CodeMap {
+        let (objects, _) = crate::process::loaded_objects();
+        let natives = objects
+            .iter()
+            .filter_map(|o| {
+                let elf =
+                    LoadedElf { name: &o.name, bias: o.bias, segments: &o.segments, eh_frame_hdr: o.eh_frame_hdr };
+                native_module(&elf, crate::process::read_own_bytes)
+            })
+            .collect();
+        let maps = parse_maps(&std::fs::read_to_string("/proc/self/maps").unwrap());
+        CodeMap::new(natives, Vec::new(), stack_ranges(&maps), SignalSampler::sigreturn_trampoline(), [0, 0])
+    }
+
+    #[inline(never)]
+    fn spin_leaf(stop: &AtomicBool) -> u64 {
+        let mut x = 1u64;
+        while !stop.load(Ordering::Relaxed) {
+            for i in 0..1000u64 {
+                x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(i));
+            }
+        }
+        x
+    }
+
+    #[inline(never)]
+    fn spin_middle(stop: &AtomicBool) -> u64 {
+        std::hint::black_box(spin_leaf(stop)) + 1
+    }
+
+    /// The whole path on this test process: install, a timer on a busy
+    /// thread, walks in the handler, drain, and a clean uninstall.
+    #[test]
+    fn a_busy_thread_is_sampled_with_complete_native_stacks_and_uninstall_leaves_nothing() {
+        let mut sampler = SignalSampler::install().expect("SIGPROF is free in the test process");
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+        let s = stop.clone();
+        let worker = std::thread::spawn(move || {
+            tid_tx.send(crate::current_os_tid()).unwrap();
+            spin_middle(&s)
+        });
+        let tid = tid_rx.recv().unwrap();
+        sampler.publish(Arc::new(own_code_map()));
+        let slot = sampler.add_thread(tid, 1_000_000).unwrap();
+        sampler.set_enabled(true);
+        let started = Instant::now();
+        let mut samples = Vec::new();
+        let mut scratch = Vec::new();
+        while samples.len() < 50 && started.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(20));
+            sampler
+                .slot(slot)
+                .unwrap()
+                .drain(&mut scratch, |s| samples.push((s.flags, s.intervals, s.frames.to_vec())));
+        }
+        stop.store(true, Ordering::SeqCst);
+        worker.join().unwrap();
+        assert!(samples.len() >= 50, "only {} samples", samples.len());
+        let middle = spin_middle as fn(&AtomicBool) -> u64 as usize as u64;
+        let in_middle = |f: &u64| (middle..middle + 512).contains(&address_of(*f));
+        let complete = samples.iter().filter(|(fl, _, _)| fl & flags::COMPLETE != 0).count();
+        let through_middle = samples.iter().filter(|(_, _, fr)| fr.iter().any(in_middle)).count();
+        assert!(complete * 100 >= samples.len() * 95, "{complete} of {} complete", samples.len());
+        assert!(
+            through_middle * 100 >= samples.len() * 95,
+            "{through_middle} of {} through spin_middle",
+            samples.len()
+        );
+        assert!(sampler.uninstall(Duration::from_secs(5)));
+        // SAFETY: querying into a zeroed struct.
+        let mut now: libc::sigaction = unsafe { std::mem::zeroed() };
+        // SAFETY: valid out-pointer.
+        unsafe { libc::sigaction(SAMPLE_SIGNAL, null_mut(), &mut now) };
+        assert_eq!(now.sa_sigaction, libc::SIG_DFL, "the previous disposition is back");
+        // A second install finds the same trampoline page.
+        let again = SignalSampler::install().unwrap();
+        assert_eq!(std::fs::read_to_string("/proc/self/maps").unwrap().matches(TRAMPOLINE_NAME).count(), 2);
+        assert!(again.uninstall(Duration::from_secs(5)));
+    }
+}

@@ -1,0 +1,529 @@
+//! corsnap's stack walker for Linux x64: one frame at a time, from the
+//! registers of an interrupted thread to the root of its stack, into a
+//! caller-provided buffer of raw addresses. Names come later, elsewhere.
+//!
+//! Three kinds of code sit on a .NET thread's stack, and each is unwound by
+//! the information made for it:
+//!
+//! - **native code** (libc, libcoreclr, the host): DWARF CFI from each ELF
+//!   module's `.eh_frame`, evaluated by `framehop`, because glibc has no frame
+//!   pointers;
+//! - **managed code** (JIT'd method bodies, ReadyToRun images): the Windows
+//!   x64 `UNWIND_INFO` that CoreCLR's JIT emits on every OS, evaluated by
+//!   `pe-unwind-info`, because Tier1 methods are often frameless and a
+//!   frame-pointer walk loses their callers;
+//! - **signal frames** (the runtime's activation and fault handlers): the
+//!   kernel's saved context, found by the return address into glibc's
+//!   `__restore_rt`.
+//!
+//! Code the map does not know (a method the agent has not learned yet, a
+//! runtime stub) is stepped over by its return address or the frame-pointer
+//! chain, and the walk says so in its flags.
+//!
+//! This crate is safe code and never allocates while walking: the caller owns
+//! the [`CodeMap`] (built beforehand), the [`WalkCache`] and the output
+//! buffer, and reads memory through [`Memory`], which is where the bounds of
+//! what may be read are enforced. That is what lets corsnap run [`walk`] in a
+//! signal handler, and what lets tests run it on recorded stacks.
+
+#![forbid(unsafe_code)]
+
+pub mod process;
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64};
+use framehop::{ExplicitModuleSectionInfo, FrameAddress, Module, MustNotAllocateDuringUnwind, Unwinder};
+use pe_unwind_info::x86_64::{FunctionTableEntries, Register, UnwindState, XmmRegister};
+
+/// Section bytes owned by the map (copied out of the process's memory or
+/// files before any walk can see them).
+pub type Bytes = Arc<[u8]>;
+
+/// Bit 63 of a recorded address: the address is an exact instruction pointer
+/// (the interrupted leaf, or the context a signal frame saved), not a return
+/// address. User-space addresses never reach it.
+pub const EXACT_IP: u64 = 1 << 63;
+
+/// Strips [`EXACT_IP`].
+pub fn address_of(frame: u64) -> u64 {
+    frame & !EXACT_IP
+}
+
+/// The address to look a recorded frame up by: a return address points just
+/// past its call, which may be the first byte of the next function.
+pub fn lookup_address(frame: u64) -> u64 {
+    if frame & EXACT_IP != 0 {
+        address_of(frame)
+    } else {
+        frame.saturating_sub(1)
+    }
+}
+
+/// What a walk found out about its stack, beside the frames.
+pub mod flags {
+    /// The walk reached the root of the stack (the thread's entry point).
+    pub const COMPLETE: u32 = 1;
+    /// The output buffer filled up first; the root end is missing.
+    pub const TRUNCATED: u32 = 1 << 1;
+    /// The walk stopped early: a read outside the stack, no progress, or
+    /// unwind information that could not be applied.
+    pub const LOST: u32 = 1 << 2;
+    /// Some frame was in code the map does not know (not yet learned, or a
+    /// runtime stub); it was stepped over by its return address or the
+    /// frame-pointer chain.
+    pub const UNKNOWN_CODE: u32 = 1 << 3;
+    /// The walk went through a signal frame.
+    pub const SIGNAL_FRAME: u32 = 1 << 4;
+    /// A return address was the runtime's hijack trampoline (a thread the
+    /// runtime is bringing to a stop); the real caller is not on the stack.
+    pub const HIJACKED: u32 = 1 << 5;
+}
+
+/// The three registers a walk needs on x64.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Regs {
+    pub ip: u64,
+    pub sp: u64,
+    pub bp: u64,
+}
+
+/// How a walk reads memory. Implementations decide what may be read: the
+/// signal handler's allows exactly the interrupted thread's stack and the
+/// code regions of the map being walked.
+pub trait Memory {
+    /// The 8 bytes at `addr`, if `addr..addr + 8` lies inside the stack being
+    /// walked.
+    fn stack_word(&self, addr: u64) -> Option<u64>;
+    /// The bytes of `range`, which the walker guarantees lies inside the
+    /// `code` range of a [`ManagedCode`] of the map being walked.
+    fn code_bytes(&self, range: Range<u64>) -> Option<&[u8]>;
+}
+
+/// Scratch space for native unwinding: framehop's rule cache and gimli's
+/// evaluation storage, allocated once. One per walking thread (each thread's
+/// signal handler has its own).
+pub struct WalkCache(CacheX86_64<MustNotAllocateDuringUnwind>);
+
+impl WalkCache {
+    pub fn new() -> Self {
+        WalkCache(CacheX86_64::new_in())
+    }
+}
+
+impl Default for WalkCache {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for WalkCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WalkCache")
+    }
+}
+
+/// An ELF module's executable range and its CFI, ready for the map.
+#[derive(Clone)]
+pub struct NativeModule {
+    pub name: String,
+    /// Where its code is mapped (actual addresses).
+    pub code: Range<u64>,
+    module: Module<Bytes>,
+}
+
+impl std::fmt::Debug for NativeModule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NativeModule({} {:#x}..{:#x})", self.name, self.code.start, self.code.end)
+    }
+}
+
+/// The sections of an ELF module that unwinding needs, with their addresses
+/// as the file states them (SVMAs); `bias` turns them into actual addresses.
+#[derive(Debug, Clone, Default)]
+pub struct ElfSections {
+    pub text: Option<Range<u64>>,
+    pub eh_frame: Option<(Range<u64>, Bytes)>,
+    pub eh_frame_hdr: Option<(Range<u64>, Bytes)>,
+    pub got: Option<Range<u64>>,
+}
+
+impl NativeModule {
+    /// `code`: the executable mapping(s) of the module; `bias`: the load
+    /// bias (actual address minus stated address).
+    pub fn new(name: String, code: Range<u64>, bias: u64, sections: ElfSections) -> NativeModule {
+        let info = ExplicitModuleSectionInfo {
+            base_svma: 0,
+            text_svma: sections.text.clone(),
+            eh_frame_svma: sections.eh_frame.as_ref().map(|(r, _)| r.clone()),
+            eh_frame: sections.eh_frame.map(|(_, d)| d),
+            eh_frame_hdr_svma: sections.eh_frame_hdr.as_ref().map(|(r, _)| r.clone()),
+            eh_frame_hdr: sections.eh_frame_hdr.map(|(_, d)| d),
+            got_svma: sections.got,
+            ..Default::default()
+        };
+        let module = Module::new(name.clone(), code.clone(), bias, info);
+        NativeModule { name, code, module }
+    }
+}
+
+/// Where a [`ManagedCode`]'s `UNWIND_INFO` records are read from.
+#[derive(Debug, Clone)]
+pub enum UnwindBytes {
+    /// Copied out of the process: the bytes at RVAs `rva..rva + bytes.len()`.
+    Copied { rva: u32, bytes: Bytes },
+    /// Inside the region's own `code` range (a ReadyToRun image keeps its
+    /// unwind information in the mapped image).
+    InCode,
+}
+
+/// Managed code with its Windows x64 function table: one JIT'd method body
+/// (and its funclets), or one ReadyToRun image.
+#[derive(Debug, Clone)]
+pub struct ManagedCode {
+    /// The range that may be read live (epilogue detection reads the code;
+    /// an image's unwind information too).
+    pub code: Range<u64>,
+    /// The address RVAs are relative to.
+    pub base: u64,
+    /// `RUNTIME_FUNCTION` records (12 bytes each: begin, end, unwind-info
+    /// RVA), sorted by begin.
+    pub functions: Bytes,
+    pub unwind: UnwindBytes,
+    /// Opaque to the walker: tells the resolver what this region is.
+    pub tag: u64,
+}
+
+impl ManagedCode {
+    /// The function-table entry covering `addr`, as (begin, end) addresses.
+    pub fn function_at(&self, addr: u64) -> Option<Range<u64>> {
+        let rva = u32::try_from(addr.checked_sub(self.base)?).ok()?;
+        let f = FunctionTableEntries::parse(&self.functions).lookup(rva)?;
+        Some(self.base + u64::from(f.begin_address.get())..self.base + u64::from(f.end_address.get()))
+    }
+}
+
+/// Everything a walk may consult, immutable once built. The agent builds a
+/// new one when code or threads appear and publishes it whole.
+#[derive(Clone, Default)]
+pub struct CodeMap {
+    natives: Vec<NativeModule>,
+    unwinder: UnwinderX86_64<Bytes, MustNotAllocateDuringUnwind>,
+    managed: Vec<ManagedCode>,
+    /// Anonymous read-write mappings, where thread stacks live, sorted.
+    stacks: Vec<Range<u64>>,
+    /// glibc's `__restore_rt`: a return address equal to it marks a signal
+    /// frame. 0 if unknown.
+    sigreturn: u64,
+    /// The runtime's hijack trampoline(s) (`OnHijackTripThread`), 0 if unknown.
+    hijack: [u64; 2],
+}
+
+impl std::fmt::Debug for CodeMap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CodeMap")
+            .field("natives", &self.natives.len())
+            .field("managed", &self.managed.len())
+            .field("stacks", &self.stacks.len())
+            .finish()
+    }
+}
+
+impl CodeMap {
+    /// Builds a map. Overlapping managed regions keep the later one in
+    /// `managed` (the newer knowledge); overlapping native modules the first.
+    pub fn new(
+        mut natives: Vec<NativeModule>,
+        mut managed: Vec<ManagedCode>,
+        mut stacks: Vec<Range<u64>>,
+        sigreturn: u64,
+        hijack: [u64; 2],
+    ) -> CodeMap {
+        natives.sort_by_key(|m| m.code.start);
+        natives.dedup_by(|later, earlier| later.code.start < earlier.code.end);
+        let mut unwinder = UnwinderX86_64::new();
+        for m in &natives {
+            unwinder.add_module(m.module.clone());
+        }
+        // Stable sort, then keep the last of any overlapping run.
+        managed.sort_by_key(|m| m.code.start);
+        let mut kept: Vec<ManagedCode> = Vec::with_capacity(managed.len());
+        for m in managed {
+            if m.code.start >= m.code.end {
+                continue;
+            }
+            while kept.last().is_some_and(|k| k.code.end > m.code.start) {
+                kept.pop();
+            }
+            kept.push(m);
+        }
+        stacks.sort_by_key(|r| r.start);
+        CodeMap { natives, unwinder, managed: kept, stacks, sigreturn, hijack }
+    }
+
+    pub fn natives(&self) -> &[NativeModule] {
+        &self.natives
+    }
+
+    pub fn managed(&self) -> &[ManagedCode] {
+        &self.managed
+    }
+
+    /// The managed region containing `addr`.
+    pub fn managed_at(&self, addr: u64) -> Option<&ManagedCode> {
+        let i = self.managed.partition_point(|m| m.code.start <= addr);
+        let m = self.managed.get(i.checked_sub(1)?)?;
+        (addr < m.code.end).then_some(m)
+    }
+
+    /// The native module containing `addr`.
+    pub fn native_at(&self, addr: u64) -> Option<&NativeModule> {
+        let i = self.natives.partition_point(|m| m.code.start <= addr);
+        let m = self.natives.get(i.checked_sub(1)?)?;
+        (addr < m.code.end).then_some(m)
+    }
+
+    /// Whether `addr` is in code the map knows.
+    pub fn is_code(&self, addr: u64) -> bool {
+        self.managed_at(addr).is_some() || self.native_at(addr).is_some()
+    }
+
+    /// The anonymous mapping containing `sp`: the bounds of a thread's stack.
+    pub fn stack_containing(&self, sp: u64) -> Option<Range<u64>> {
+        let i = self.stacks.partition_point(|r| r.start <= sp);
+        let r = self.stacks.get(i.checked_sub(1)?)?;
+        (sp < r.end).then(|| r.clone())
+    }
+}
+
+/// What [`walk`] produced: `len` frames at the start of the output buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Walk {
+    pub len: usize,
+    pub flags: u32,
+}
+
+/// One unwinding step's outcome.
+enum Step {
+    Next(Regs),
+    /// The stack's root was reached.
+    Done,
+    /// Nothing could be recovered.
+    Lost,
+}
+
+/// `ucontext_t` offsets (x86_64 glibc): `uc_mcontext.gregs` starts at 40;
+/// `REG_RBP` is 10, `REG_RSP` 15, `REG_RIP` 16.
+const UC_GREGS: u64 = 40;
+const REG_RBP: u64 = 10;
+const REG_RSP: u64 = 15;
+const REG_RIP: u64 = 16;
+
+/// Walks from `regs` (an interrupted thread's registers) towards the root,
+/// writing one address per frame into `out`, leaf first; the leaf carries
+/// [`EXACT_IP`]. Never allocates, never panics on bad input, and reads
+/// memory only through `mem`.
+pub fn walk<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, cache: &mut WalkCache, out: &mut [u64]) -> Walk {
+    let mut len = 0;
+    let mut flags = 0;
+    let mut regs = regs;
+    // The leaf, and a context a signal frame saved, are exact instruction
+    // pointers: the thread was stopped there, not in a call.
+    let mut exact = true;
+    loop {
+        if regs.ip == 0 {
+            flags |= flags::COMPLETE;
+            break;
+        }
+        let Some(slot) = out.get_mut(len) else {
+            flags |= flags::TRUNCATED;
+            break;
+        };
+        *slot = if exact { regs.ip | EXACT_IP } else { regs.ip };
+        len += 1;
+        if !exact && map.sigreturn != 0 && regs.ip == map.sigreturn {
+            // The handler's frame returned into the kernel's signal
+            // trampoline: the saved context (`ucontext_t`) starts right where
+            // the return address was popped from.
+            match signal_context(mem, regs.sp) {
+                Some(next) => {
+                    flags |= flags::SIGNAL_FRAME;
+                    regs = next;
+                    exact = true;
+                    continue;
+                }
+                None => {
+                    flags |= flags::LOST;
+                    break;
+                }
+            }
+        }
+        if !exact && (regs.ip == map.hijack[0] || regs.ip == map.hijack[1]) && regs.ip != 0 {
+            // The runtime replaced this return address to stop the thread on
+            // its way back; the real caller's address is kept in the runtime's
+            // thread object, not on the stack. Go on by the frame chain.
+            flags |= flags::HIJACKED;
+            match frame_pointer_step(mem, regs) {
+                Step::Next(next) if next.sp > regs.sp => {
+                    regs = next;
+                    continue;
+                }
+                _ => {
+                    flags |= flags::LOST;
+                    break;
+                }
+            }
+        }
+        let lookup = if exact { regs.ip } else { regs.ip - 1 };
+        let step = if let Some(region) = map.managed_at(lookup) {
+            match managed_step(region, mem, regs, exact) {
+                Some(step) => step,
+                None => {
+                    flags |= flags::UNKNOWN_CODE;
+                    unknown_step(map, mem, regs, exact)
+                }
+            }
+        } else if map.native_at(lookup).is_some() {
+            native_step(map, mem, regs, exact, cache)
+        } else {
+            flags |= flags::UNKNOWN_CODE;
+            unknown_step(map, mem, regs, exact)
+        };
+        match step {
+            // The stack grows down: every caller's frame is above its callee's.
+            Step::Next(next) if next.sp > regs.sp => {
+                regs = next;
+                exact = false;
+            }
+            Step::Next(_) | Step::Lost => {
+                flags |= flags::LOST;
+                break;
+            }
+            Step::Done => {
+                flags |= flags::COMPLETE;
+                break;
+            }
+        }
+    }
+    Walk { len, flags }
+}
+
+fn signal_context<M: Memory>(mem: &M, uc: u64) -> Option<Regs> {
+    let greg = |r: u64| mem.stack_word(uc.checked_add(UC_GREGS + 8 * r)?);
+    Some(Regs { ip: greg(REG_RIP)?, sp: greg(REG_RSP)?, bp: greg(REG_RBP)? })
+}
+
+fn native_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool, cache: &mut WalkCache) -> Step {
+    let address = if exact {
+        FrameAddress::from_instruction_pointer(regs.ip)
+    } else {
+        match FrameAddress::from_return_address(regs.ip) {
+            Some(a) => a,
+            None => return Step::Done,
+        }
+    };
+    let mut fregs = UnwindRegsX86_64::new(regs.ip, regs.sp, regs.bp);
+    let mut read = |addr: u64| mem.stack_word(addr).ok_or(());
+    match map.unwinder.unwind_frame(address, &mut fregs, &mut cache.0, &mut read) {
+        Ok(Some(ra)) => Step::Next(Regs { ip: ra, sp: fregs.sp(), bp: fregs.bp() }),
+        Ok(None) => Step::Done,
+        Err(_) => Step::Lost,
+    }
+}
+
+/// The registers pe-unwind-info asks for; only RSP and RBP matter for
+/// finding return addresses (the JIT frames on RBP or not at all).
+struct PeState<'a, M> {
+    sp: u64,
+    bp: u64,
+    mem: &'a M,
+}
+
+impl<M: Memory> UnwindState for PeState<'_, M> {
+    fn read_register(&mut self, register: Register) -> u64 {
+        match register {
+            Register::RSP => self.sp,
+            Register::RBP => self.bp,
+            _ => 0,
+        }
+    }
+
+    fn read_stack(&mut self, addr: u64) -> Option<u64> {
+        self.mem.stack_word(addr)
+    }
+
+    fn write_register(&mut self, register: Register, value: u64) {
+        match register {
+            Register::RSP => self.sp = value,
+            Register::RBP => self.bp = value,
+            _ => {}
+        }
+    }
+
+    fn write_xmm_register(&mut self, _register: XmmRegister, _value: u128) {}
+}
+
+/// One step through a managed frame by its `UNWIND_INFO`. `None` when the
+/// region has no function-table entry for the address (a gap in an image).
+fn managed_step<M: Memory>(region: &ManagedCode, mem: &M, regs: Regs, exact: bool) -> Option<Step> {
+    let lookup = if exact { regs.ip } else { regs.ip - 1 };
+    let entries = FunctionTableEntries::parse(&region.functions);
+    let lookup_rva = u32::try_from(lookup.checked_sub(region.base)?).ok()?;
+    // pe-unwind-info pops a return address when the table has no entry:
+    // only ask it about addresses that have one.
+    let function = entries.lookup(lookup_rva)?;
+    // A call as a function's last instruction returns to the first byte
+    // after it; unwind as from inside the function then.
+    let ip_rva = u32::try_from(regs.ip - region.base).ok()?;
+    let rva = if ip_rva < function.end_address.get() { ip_rva } else { lookup_rva };
+    let memory_at_rva = |r: u32| -> Option<&[u8]> {
+        if let UnwindBytes::Copied { rva, bytes } = &region.unwind {
+            if let Some(offset) = r.checked_sub(*rva) {
+                if let Some(slice) = bytes.get(offset as usize..) {
+                    if !slice.is_empty() {
+                        return Some(slice);
+                    }
+                }
+            }
+        }
+        let addr = region.base.checked_add(u64::from(r))?;
+        if addr >= region.code.start && addr < region.code.end {
+            mem.code_bytes(addr..region.code.end)
+        } else {
+            None
+        }
+    };
+    let mut state = PeState { sp: regs.sp, bp: regs.bp, mem };
+    Some(match entries.unwind_frame(&mut state, memory_at_rva, rva) {
+        Some(ra) => Step::Next(Regs { ip: ra, sp: state.sp, bp: state.bp }),
+        None => Step::Lost,
+    })
+}
+
+/// Code the map does not know. At the leaf, a stub or a frameless method
+/// that has pushed nothing has its return address on top of the stack; trust
+/// it when it points into known code. Otherwise follow the frame pointer.
+fn unknown_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool) -> Step {
+    if exact {
+        if let Some(ra) = mem.stack_word(regs.sp) {
+            if map.is_code(ra) {
+                return Step::Next(Regs { ip: ra, sp: regs.sp + 8, bp: regs.bp });
+            }
+        }
+    }
+    frame_pointer_step(mem, regs)
+}
+
+fn frame_pointer_step<M: Memory>(mem: &M, regs: Regs) -> Step {
+    if regs.bp < regs.sp || regs.bp % 8 != 0 {
+        return Step::Lost;
+    }
+    match (mem.stack_word(regs.bp), mem.stack_word(regs.bp + 8)) {
+        (Some(bp), Some(ra)) => Step::Next(Regs { ip: ra, sp: regs.bp + 16, bp }),
+        _ => Step::Lost,
+    }
+}
+
+#[cfg(test)]
+mod tests;

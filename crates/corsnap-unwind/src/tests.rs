@@ -1,0 +1,231 @@
+//! Synthetic stacks laid out as CoreCLR's JIT lays them out, with the unwind
+//! information the JIT emitted for the same shapes on .NET 8 (read from a
+//! live process: `push rax` frameless Tier1 methods, `push rbp` without a
+//! frame register, RBP-framed Tier0 methods).
+
+use super::*;
+use std::collections::HashMap;
+
+const STACK_TOP: u64 = 0x7000_0000;
+
+/// A stack of words and code bytes, as a recorded sample would bring them.
+struct Recorded {
+    stack: HashMap<u64, u64>,
+    stack_range: Range<u64>,
+    code: Vec<(u64, Vec<u8>)>,
+}
+
+impl Memory for Recorded {
+    fn stack_word(&self, addr: u64) -> Option<u64> {
+        if addr < self.stack_range.start || addr.checked_add(8)? > self.stack_range.end {
+            return None;
+        }
+        Some(self.stack.get(&addr).copied().unwrap_or(0xdead_beef))
+    }
+
+    fn code_bytes(&self, range: Range<u64>) -> Option<&[u8]> {
+        let (start, bytes) = self.code.iter().find(|(s, b)| *s <= range.start && range.end <= s + b.len() as u64)?;
+        bytes.get((range.start - start) as usize..(range.end - start) as usize)
+    }
+}
+
+/// One JIT'd body at `start` with `code`, one RUNTIME_FUNCTION and its
+/// UNWIND_INFO placed (as the JIT places it) right after the code.
+fn body(start: u64, code: &[u8], unwind: &[u8]) -> (ManagedCode, (u64, Vec<u8>)) {
+    let base = start - 0x1000;
+    let begin = 0x1000u32;
+    let end = begin + code.len() as u32;
+    let unwind_rva = (end + 3) & !3;
+    let mut functions = Vec::new();
+    for v in [begin, end, unwind_rva] {
+        functions.extend_from_slice(&v.to_le_bytes());
+    }
+    let region = ManagedCode {
+        code: start..start + code.len() as u64,
+        base,
+        functions: functions.into(),
+        unwind: UnwindBytes::Copied { rva: unwind_rva, bytes: unwind.to_vec().into() },
+        tag: start,
+    };
+    (region, (start, code.to_vec()))
+}
+
+const MAIN: u64 = 0x10000;
+const A3: u64 = 0x10040;
+const A4: u64 = 0x10080;
+const A5: u64 = 0x100c0;
+const HOT: u64 = 0x10100;
+const UNKNOWN_STUB: u64 = 0x90000;
+
+/// `push rax; call; inc eax; add rsp,8; ret`: frameless, one alloc of 8.
+const FRAMELESS: [u8; 13] = [0x50, 0xe8, 0, 0, 0, 0, 0xff, 0xc0, 0x48, 0x83, 0xc4, 0x08, 0xc3];
+/// UNWIND_INFO v1, prolog 1, 1 code: at 1, UWOP_ALLOC_SMALL 8.
+const FRAMELESS_UNWIND: [u8; 8] = [0x01, 0x01, 0x01, 0x00, 0x01, 0x02, 0, 0];
+/// `push rbp; xor eax,eax; nop...; pop rbp; ret`
+const PUSH_RBP: [u8; 8] = [0x55, 0x31, 0xc0, 0x90, 0x90, 0x90, 0x5d, 0xc3];
+/// prolog 1, 1 code: at 1, UWOP_PUSH_NONVOL rbp.
+const PUSH_RBP_UNWIND: [u8; 8] = [0x01, 0x01, 0x01, 0x00, 0x01, 0x50, 0, 0];
+/// `push rbp; mov rbp,rsp; sub rsp,16; call...; add rsp,16; pop rbp; ret`
+const FRAMED: [u8; 21] =
+    [0x55, 0x48, 0x8b, 0xec, 0x48, 0x83, 0xec, 0x10, 0xe8, 0, 0, 0, 0, 0x90, 0x48, 0x83, 0xc4, 0x10, 0x5d, 0xc3, 0x90];
+/// prolog 8, frame register RBP at offset 0, 3 codes: at 8 alloc 16, at 4
+/// set FP, at 1 push rbp.
+const FRAMED_UNWIND: [u8; 12] = [0x01, 0x08, 0x03, 0x05, 0x08, 0x12, 0x04, 0x03, 0x01, 0x50, 0, 0];
+
+/// Main -> A3 -> A4 -> A5 -> Hot, with Hot's leaf in its loop. Returns the
+/// map, the memory and the leaf registers.
+fn chain() -> (CodeMap, Recorded, Regs) {
+    let sp0 = STACK_TOP - 0x100;
+    let mut stack = HashMap::new();
+    stack.insert(sp0, 0); // Main's return address: the root
+    stack.insert(sp0 - 8, 0); // Main: push rbp (no caller frame)
+    let main_bp = sp0 - 8;
+    // Main's 16 bytes of locals, then the call.
+    stack.insert(sp0 - 32, MAIN + 13); // return into Main after its call
+    stack.insert(sp0 - 40, 0x1111); // A3: push rax
+    stack.insert(sp0 - 48, A3 + 6);
+    stack.insert(sp0 - 56, 0x2222); // A4: push rax
+    stack.insert(sp0 - 64, A4 + 6);
+    stack.insert(sp0 - 72, 0x3333); // A5: push rax
+    stack.insert(sp0 - 80, A5 + 6);
+    stack.insert(sp0 - 88, main_bp); // Hot: push rbp (Main's, untouched by A3..A5)
+    let mut managed = Vec::new();
+    let mut code = Vec::new();
+    for (start, bytes, unwind) in [
+        (MAIN, &FRAMED[..], &FRAMED_UNWIND[..]),
+        (A3, &FRAMELESS[..], &FRAMELESS_UNWIND[..]),
+        (A4, &FRAMELESS[..], &FRAMELESS_UNWIND[..]),
+        (A5, &FRAMELESS[..], &FRAMELESS_UNWIND[..]),
+        (HOT, &PUSH_RBP[..], &PUSH_RBP_UNWIND[..]),
+    ] {
+        let (region, c) = body(start, bytes, unwind);
+        managed.push(region);
+        code.push(c);
+    }
+    let map = CodeMap::new(Vec::new(), managed, vec![STACK_TOP - 0x10000..STACK_TOP], 0, [0, 0]);
+    let mem = Recorded { stack, stack_range: STACK_TOP - 0x10000..STACK_TOP, code };
+    (map, mem, Regs { ip: HOT + 3, sp: sp0 - 88, bp: main_bp })
+}
+
+fn run(map: &CodeMap, mem: &Recorded, regs: Regs) -> (Vec<u64>, u32) {
+    let mut out = [0u64; 64];
+    let w = walk(map, mem, regs, &mut WalkCache::new(), &mut out);
+    (out[..w.len].iter().map(|&f| address_of(f)).collect(), w.flags)
+}
+
+#[test]
+fn frameless_tier1_callers_are_all_recovered() {
+    let (map, mem, regs) = chain();
+    let (frames, flags) = run(&map, &mem, regs);
+    assert_eq!(frames, [HOT + 3, A5 + 6, A4 + 6, A3 + 6, MAIN + 13]);
+    assert_eq!(flags, flags::COMPLETE);
+}
+
+#[test]
+fn a_frame_pointer_walk_of_the_same_stack_loses_them() {
+    // What the probe saw with an RBP chain: Hot's saved RBP is Main's.
+    let (_, mem, regs) = chain();
+    let bp = regs.bp;
+    assert_eq!(mem.stack_word(bp + 8), Some(0), "Main's frame record leads straight to the root");
+}
+
+#[test]
+fn leaf_in_an_epilogue_or_prologue_unwinds_by_what_is_left_to_run() {
+    let (map, mem, regs) = chain();
+    // A5 at `add rsp, 8` (Hot has returned): the pushed rax is still there.
+    let at_add = Regs { ip: A5 + 8, sp: regs.sp + 16, bp: regs.bp };
+    assert_eq!(run(&map, &mem, at_add).0, [A5 + 8, A4 + 6, A3 + 6, MAIN + 13]);
+    // A5 at `ret`: only the return address is left.
+    let at_ret = Regs { ip: A5 + 12, sp: regs.sp + 24, bp: regs.bp };
+    assert_eq!(run(&map, &mem, at_ret).0, [A5 + 12, A4 + 6, A3 + 6, MAIN + 13]);
+    // A5 at its first instruction: nothing pushed yet.
+    let at_entry = Regs { ip: A5, sp: regs.sp + 24, bp: regs.bp };
+    assert_eq!(run(&map, &mem, at_entry).0, [A5, A4 + 6, A3 + 6, MAIN + 13]);
+    // Hot at `pop rbp` and at `ret`.
+    assert_eq!(run(&map, &mem, Regs { ip: HOT + 6, ..regs }).0[1..], [A5 + 6, A4 + 6, A3 + 6, MAIN + 13]);
+    let at_hot_ret = Regs { ip: HOT + 7, sp: regs.sp + 8, bp: regs.bp };
+    assert_eq!(run(&map, &mem, at_hot_ret).0[1..], [A5 + 6, A4 + 6, A3 + 6, MAIN + 13]);
+}
+
+#[test]
+fn a_runtime_stub_at_the_leaf_is_stepped_over_by_its_return_address() {
+    let (map, mem, regs) = chain();
+    // A stub (precode) that A5 jumped into through its call: only the
+    // return address is on the stack.
+    let in_stub = Regs { ip: UNKNOWN_STUB, sp: regs.sp + 8, bp: regs.bp };
+    let (frames, flags) = run(&map, &mem, in_stub);
+    assert_eq!(frames, [UNKNOWN_STUB, A5 + 6, A4 + 6, A3 + 6, MAIN + 13]);
+    assert_eq!(flags, flags::COMPLETE | flags::UNKNOWN_CODE);
+}
+
+#[test]
+fn a_signal_frame_continues_with_the_saved_context() {
+    let (mut map, mut mem, regs) = chain();
+    // A handler frame whose return address is the signal trampoline, with a
+    // ucontext_t right above it holding Hot's registers.
+    let trampoline = 0x5000_0000;
+    map.sigreturn = trampoline;
+    let handler_sp = regs.sp - 0x1000;
+    let uc = handler_sp + 8;
+    mem.stack.insert(handler_sp, trampoline);
+    mem.stack.insert(uc + UC_GREGS + 8 * REG_RIP, regs.ip);
+    mem.stack.insert(uc + UC_GREGS + 8 * REG_RSP, regs.sp);
+    mem.stack.insert(uc + UC_GREGS + 8 * REG_RBP, regs.bp);
+    // The handler itself is unknown code that has pushed nothing.
+    let handler = Regs { ip: UNKNOWN_STUB, sp: handler_sp, bp: 0 };
+    // Make the trampoline "known code" for the stub rule: a native module is
+    // not available in a unit test, so put a managed region there.
+    let (tramp_region, tramp_code) = body(trampoline - 1, &[0x90, 0x90], &PUSH_RBP_UNWIND);
+    let mut managed: Vec<ManagedCode> = map.managed().to_vec();
+    managed.push(tramp_region);
+    mem.code.push(tramp_code);
+    let map = CodeMap::new(Vec::new(), managed, vec![mem.stack_range.clone()], trampoline, [0, 0]);
+    let mut out = [0u64; 64];
+    let w = walk(&map, &mem, handler, &mut WalkCache::new(), &mut out);
+    let frames: Vec<u64> = out[..w.len].to_vec();
+    assert_eq!(frames, [UNKNOWN_STUB | EXACT_IP, trampoline, (HOT + 3) | EXACT_IP, A5 + 6, A4 + 6, A3 + 6, MAIN + 13]);
+    assert_eq!(w.flags, flags::COMPLETE | flags::UNKNOWN_CODE | flags::SIGNAL_FRAME);
+}
+
+#[test]
+fn a_full_buffer_truncates_and_a_bad_stack_is_lost_not_a_panic() {
+    let (map, mem, regs) = chain();
+    let mut out = [0u64; 3];
+    let w = walk(&map, &mem, regs, &mut WalkCache::new(), &mut out);
+    assert_eq!((w.len, w.flags), (3, flags::TRUNCATED));
+    // A stack pointer outside the stack: nothing can be read.
+    let (frames, flags) = run(&map, &mem, Regs { sp: 0x10, ..regs });
+    assert_eq!(frames, [HOT + 3]);
+    assert_eq!(flags, flags::LOST);
+}
+
+#[test]
+fn garbage_never_panics_and_never_reads_outside_the_stack() {
+    // xorshift over registers and stack contents.
+    let (map, mut mem, _) = chain();
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let pick = |v: u64| match v % 6 {
+        0 => MAIN + v % 0x30,
+        1 => A5 + v % 16,
+        2 => HOT + v % 10,
+        3 => STACK_TOP - (v % 0x2000) & !7,
+        4 => UNKNOWN_STUB,
+        _ => v,
+    };
+    for _ in 0..20_000 {
+        mem.stack.clear();
+        for _ in 0..64 {
+            let (a, v) = (next(), next());
+            mem.stack.insert(STACK_TOP - 8 * (a % 512) - 8, pick(v));
+        }
+        let regs = Regs { ip: pick(next()), sp: pick(next()), bp: pick(next()) };
+        let (frames, _) = run(&map, &mem, regs);
+        assert!(!frames.is_empty());
+    }
+}
