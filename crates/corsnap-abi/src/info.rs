@@ -358,6 +358,11 @@ impl CorProfilerInfo {
 
     /// The file path a module was loaded from.
     pub fn get_module_path(&self, module: ModuleID) -> HResult<String> {
+        self.get_module_info(module).map(|(_, path)| path)
+    }
+
+    /// Where a module's image is mapped, and the path it was loaded from.
+    pub fn get_module_info(&self, module: ModuleID) -> HResult<(u64, String)> {
         type F =
             unsafe extern "C" fn(*mut c_void, ModuleID, *mut *const u8, u32, *mut u32, *mut u16, *mut usize) -> HRESULT;
         let mut buf = vec![0u16; 512];
@@ -373,7 +378,7 @@ impl CorProfilerInfo {
                 continue;
             }
             check(hr)?;
-            return Ok(crate::metadata::utf16_until_nul(&buf[..(len as usize).min(buf.len())]));
+            return Ok((base as u64, crate::metadata::utf16_until_nul(&buf[..(len as usize).min(buf.len())])));
         }
     }
 

@@ -67,8 +67,9 @@ pub const MAX_FRAMES: usize = 1024;
 pub const RING_WORDS: usize = 8192;
 /// Threads that can be sampled at once.
 pub const MAX_SLOTS: usize = 16384;
-/// A record in a ring: header, weight, time, then the frames.
-const RECORD_HEAD: usize = 3;
+/// A record in a ring: header, weight, time, time in the handler, then the
+/// frames.
+const RECORD_HEAD: usize = 4;
 
 /// `si_code` of a signal raised by a POSIX timer.
 const SI_TIMER: c_int = -2;
@@ -169,6 +170,8 @@ pub struct RawSample<'a> {
     pub time_ns: u64,
     /// `corsnap_unwind::flags`.
     pub flags: u32,
+    /// Nanoseconds from entering the handler to storing the sample.
+    pub handler_ns: u64,
     /// Leaf first; see `corsnap_unwind::EXACT_IP`.
     pub frames: &'a [u64],
 }
@@ -192,7 +195,13 @@ impl ThreadSlot {
             }
             scratch.clear();
             scratch.extend((0..len).map(|i| word(RECORD_HEAD + i)));
-            f(RawSample { intervals: word(1), time_ns: word(2), flags: (header >> 32) as u32, frames: scratch });
+            f(RawSample {
+                intervals: word(1),
+                time_ns: word(2),
+                handler_ns: word(3),
+                flags: (header >> 32) as u32,
+                frames: scratch,
+            });
             t += RECORD_HEAD + len;
         }
         ring.tail.store(t, Ordering::Release);
@@ -253,6 +262,7 @@ extern "C" fn on_signal(_signal: c_int, info: *mut libc::siginfo_t, context: *mu
 /// `info` and `context` are the handler's arguments for a `SA_SIGINFO`
 /// handler.
 unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
+    let entered = monotonic_ns();
     if !ENABLED.load(Ordering::Acquire) {
         NOT_READY.fetch_add(1, Ordering::Relaxed);
         return;
@@ -304,18 +314,24 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
     let walking = unsafe { &mut *slot.walking.get() };
     let memory = LiveMemory { stack, map };
     let walk = corsnap_unwind::walk(map, &memory, regs, &mut walking.cache, &mut walking.frames);
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: clock_gettime is async-signal-safe; valid out-pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    let time_ns = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
+    let time_ns = monotonic_ns();
     let frames = walking.frames.get(..walk.len).unwrap_or(&[]);
     let header = frames.len() as u64 | u64::from(walk.flags) << 32;
     let intervals = 1 + overrun.max(0) as u64;
-    if slot.ring.push([header, intervals, time_ns], frames) {
+    if slot.ring.push([header, intervals, time_ns, time_ns.saturating_sub(entered)], frames) {
         slot.samples.fetch_add(1, Ordering::Relaxed);
     } else {
         slot.dropped_full.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds: on POSIX's async-signal-safe list,
+/// served by the vDSO. The clock `std::time::Instant` reads on Linux.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// Counters of signals that did not become samples, process-wide.

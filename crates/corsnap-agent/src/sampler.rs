@@ -23,6 +23,7 @@ use crate::events::Subject;
 
 use crate::log;
 use crate::names::NameResolver;
+use crate::signal_engine::{FrameName, SignalEngine};
 use crate::Shared;
 
 /// Frames kept per stack; deeper stacks keep their leaf end and are marked
@@ -39,6 +40,9 @@ pub(crate) const CACHE_CAP: usize = 200_000;
 
 /// How often running totals go to the CLI.
 const STATS_EVERY: Duration = Duration::from_secs(1);
+/// How often the signal engine's buffers are drained (and new threads
+/// looked for, when the runtime announced some).
+const SIGNAL_DRAIN_EVERY: Duration = Duration::from_millis(10);
 /// Samples are sent in batches: a send per tick would wake the CLI (and
 /// take a CPU from the program) up to a thousand times a second.
 const SEND_EVERY: Duration = Duration::from_millis(50);
@@ -315,13 +319,34 @@ struct SamplerLoop {
     suspend_only: bool,
     own_cache_resets: u64,
     pause_budget: PauseBudget,
+    /// The `signal` engine, when it takes the CPU samples (else the
+    /// suspension ticks do).
+    signal: Option<SignalEngine>,
+    signal_samples: Vec<crate::signal_engine::Sample>,
+    signal_rate: u32,
 }
 
 impl SamplerLoop {
     fn new(shared: Arc<Shared>, channel: Channel) -> Self {
         let names = NameResolver::new(shared.clone());
         let max_pause_ppm = shared.max_pause_ppm;
-        let samples_on_timer = shared.records(EventKind::Cpu) || shared.records(EventKind::Wall);
+        let signal = if shared.sampler_kind == corsnap_wire::SamplerKind::Signal && shared.records(EventKind::Cpu) {
+            match SignalEngine::start(shared.clone(), shared.signal.rate()) {
+                Ok(engine) => Some(engine),
+                Err(why) => {
+                    let text = format!("{why}; CPU samples are taken by the suspend engine instead");
+                    log::write(format_args!("{text}"));
+                    shared.post(Message::Notice { severity: corsnap_wire::Severity::Warning, text });
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        // The suspension ticks take wall samples, and CPU samples when the
+        // signal engine does not.
+        let samples_on_timer = shared.records(EventKind::Wall) || (shared.records(EventKind::Cpu) && signal.is_none());
+        let signal_rate = shared.signal.rate();
         let records_events = [EventKind::Exceptions, EventKind::Gc, EventKind::ClassLoad, EventKind::Alloc]
             .iter()
             .any(|&k| shared.records(k));
@@ -344,6 +369,9 @@ impl SamplerLoop {
             suspend_only: std::env::var(corsnap_wire::ENV_BENCH_SUSPEND_ONLY).is_ok_and(|v| v == "1"),
             own_cache_resets: 0,
             pause_budget: PauseBudget::new(u64::from(max_pause_ppm), crate::budget::CAPACITY_NS),
+            signal,
+            signal_samples: Vec::new(),
+            signal_rate,
         }
     }
 
@@ -352,6 +380,7 @@ impl SamplerLoop {
         let mut next_tick: Option<Instant> = None;
         let mut next_stats = Instant::now() + STATS_EVERY;
         let mut next_send = Instant::now();
+        let mut next_drain = Instant::now() + SIGNAL_DRAIN_EVERY;
         let reason = loop {
             // Without a timer profile (cpu or wall) there is nothing to tick
             // for; snapshots still work.
@@ -363,8 +392,11 @@ impl SamplerLoop {
             }
             // Events queued by callbacks are sent at least this often.
             let drain_by = Instant::now() + SEND_EVERY;
-            let deadline =
+            let mut deadline =
                 if self.records_events { Some(next_tick.map_or(drain_by, |t| t.min(drain_by))) } else { next_tick };
+            if self.signal.is_some() {
+                deadline = Some(deadline.map_or(next_drain, |d| d.min(next_drain)));
+            }
             let wake = self.shared.signal.wait(deadline);
             if let Some(reason) = wake.stop {
                 break reason;
@@ -389,6 +421,16 @@ impl SamplerLoop {
                     next_tick = Some((due + self.jittered_interval(rate)).max(now));
                 }
             }
+            if self.signal.is_some() {
+                let now = Instant::now();
+                let announced = self.shared.threads_changed.swap(false, std::sync::atomic::Ordering::Relaxed);
+                if now >= next_drain || announced {
+                    next_drain = now + SIGNAL_DRAIN_EVERY;
+                    let first = self.stats.samples == 0;
+                    // The first samples go out at once: the user is waiting.
+                    send_now |= self.collect_signal_samples(announced) && first;
+                }
+            }
             self.publish_events();
             let posted = std::mem::take(&mut *self.shared.outbox.lock().unwrap_or_else(|p| p.into_inner()));
             send_now |= !posted.is_empty();
@@ -407,6 +449,13 @@ impl SamplerLoop {
                 }
             }
         };
+        if self.signal.is_some() {
+            self.collect_signal_samples(false);
+            if let Some(engine) = self.signal.as_mut() {
+                engine.stop();
+            }
+            self.publish_signal_samples();
+        }
         self.publish_events();
         log::write(format_args!("sampler stopping: {reason}; {:?}", self.stats));
         self.queue_stats();
@@ -419,6 +468,9 @@ impl SamplerLoop {
         self.stats.cache_resets = self.own_cache_resets + self.names.cache_resets();
         self.stats.events_dropped = self.shared.events.dropped.load(std::sync::atomic::Ordering::Relaxed);
         self.stats.sampler_cpu_ns = corsnap_abi::thread_cpu_time_ns(corsnap_abi::current_os_tid()).unwrap_or(0);
+        if let Some(engine) = self.signal.as_mut() {
+            engine.fill_stats(&mut self.stats);
+        }
         self.channel.queue(&Message::Stats(self.stats));
     }
 
@@ -491,7 +543,7 @@ impl SamplerLoop {
         // makes the kernel lock the runqueue of the CPU it runs on), and
         // reading it here ends the interval exactly at the sample. A system
         // call: no lock of the process's, no allocation.
-        let read_cpu = self.shared.records(EventKind::Cpu);
+        let read_cpu = self.shared.records(EventKind::Cpu) && self.signal.is_none();
         // A CPU profile drops a thread that used no CPU since its previous
         // sample, so its stack need not be walked: the pause then grows
         // with the busy threads, not with every thread the program has.
@@ -532,7 +584,7 @@ impl SamplerLoop {
         let walked: Vec<(ThreadID, u32)> =
             stacks.iter().filter(|r| r.start != r.end).map(|r| (r.thread, r.os_tid)).collect();
         self.describe_threads(&walked);
-        let cpu = self.shared.records(EventKind::Cpu) && !snapshot;
+        let cpu = self.shared.records(EventKind::Cpu) && !snapshot && self.signal.is_none();
         let wall = self.shared.records(EventKind::Wall) || snapshot;
         // A sample stands for at most two intervals of CPU. After ticks the
         // pause budget skipped (or a sampler that fell behind), one stack
@@ -589,6 +641,78 @@ impl SamplerLoop {
             }
         }
         self.buffers.stacks = stacks;
+    }
+
+    /// Drains the signal engine and sends what it took. `true` if any sample
+    /// went out.
+    fn collect_signal_samples(&mut self, announced: bool) -> bool {
+        let Some(engine) = self.signal.as_mut() else { return false };
+        let rate = self.shared.signal.rate();
+        if rate != self.signal_rate {
+            self.signal_rate = rate;
+            engine.set_rate(rate);
+        }
+        if announced {
+            engine.thread_announced();
+        }
+        engine.collect(&mut self.signal_samples);
+        self.publish_signal_samples()
+    }
+
+    fn publish_signal_samples(&mut self) -> bool {
+        let Some(engine) = self.signal.as_mut() else { return false };
+        for name in engine.take_names() {
+            match name {
+                FrameName::Managed(function) => self.describe_function(function),
+                FrameName::Native { key, name, module } => {
+                    self.channel.queue(&Message::Function { function_id: key, name, module });
+                }
+            }
+        }
+        let samples = std::mem::take(&mut self.signal_samples);
+        if samples.is_empty() {
+            return false;
+        }
+        // Managed threads go by their ThreadID (as events do), the others by
+        // their OS thread id.
+        let managed = self.shared.threads.by_os_tid();
+        let mut seen: Vec<(ThreadID, u32)> = Vec::new();
+        let mut native: Vec<u32> = Vec::new();
+        for s in &samples {
+            match managed.get(&s.os_tid) {
+                Some(&t) => seen.push((t, s.os_tid)),
+                None => native.push(s.os_tid),
+            }
+        }
+        seen.sort_unstable();
+        seen.dedup();
+        self.describe_threads(&seen);
+        native.sort_unstable();
+        native.dedup();
+        for tid in native {
+            let key = corsnap_wire::NATIVE_THREAD_BIT | u64::from(tid);
+            if !self.sent_threads.contains_key(&(key as ThreadID)) {
+                self.sent_threads.insert(key as ThreadID, (0, tid));
+                let name = os_thread_name(tid).unwrap_or_default();
+                self.channel.queue(&Message::Thread { thread_id: key, os_tid: tid, name });
+            }
+        }
+        for s in &samples {
+            let thread_id = match managed.get(&s.os_tid) {
+                Some(&t) => t as u64,
+                None => corsnap_wire::NATIVE_THREAD_BIT | u64::from(s.os_tid),
+            };
+            let head = SampleHead {
+                time_ns: s.time_ns,
+                thread_id,
+                kind: EventKind::Cpu,
+                weight: s.weight,
+                truncated: s.truncated,
+            };
+            corsnap_wire::encode_sample(&mut self.channel.pending, &head, "", &s.frames);
+        }
+        self.stats.samples += samples.len() as u64;
+        true
     }
 
     /// CPU time `thread` used since its previous sample, from its CPU clock

@@ -55,6 +55,12 @@ impl ThreadRegistry {
 
     /// Calls `f` with each requested thread's entry (if known) under one
     /// short lock.
+    /// Which managed thread each OS thread is, now.
+    pub fn by_os_tid(&self) -> HashMap<u32, ThreadID> {
+        let entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        entries.iter().filter(|(_, e)| e.os_tid != 0).map(|(&t, e)| (e.os_tid, t)).collect()
+    }
+
     pub fn with_entries(
         &self,
         threads: impl Iterator<Item = ThreadID>,

@@ -13,8 +13,20 @@ pub const NATIVE_FRAME: &str = "[native code]";
 /// Frame appended (at the root end) to a stack the agent cut short.
 pub const TRUNCATED_FRAME: &str = "[truncated]";
 
+/// How native frames (from the signal engine's walks) enter the profile.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum NativeFrames {
+    /// Each one, named `module!symbol`.
+    #[default]
+    Show,
+    /// Each run of them as one `[native code]` frame, as the `suspend`
+    /// engine shows them.
+    Collapse,
+}
+
 #[derive(Debug, Default)]
 pub struct ProfileBuilder {
+    native_frames: NativeFrames,
     profile: Profile,
     functions: HashMap<u64, FrameIdx>,
     /// Runtime `ThreadID` to the thread it currently denotes (ids are reused
@@ -35,6 +47,10 @@ pub struct ProfileBuilder {
 impl ProfileBuilder {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    pub fn set_native_frames(&mut self, mode: NativeFrames) {
+        self.native_frames = mode;
     }
 
     /// Applies one message. Messages that do not shape the profile (notices,
@@ -67,11 +83,13 @@ impl ProfileBuilder {
                 self.threads.insert(*thread_id, idx);
             }
             Message::Function { function_id, name, module } => {
-                let idx = self.profile.intern_frame(Frame {
-                    name: name.clone(),
-                    module: module.clone(),
-                    kind: FrameKind::Managed,
-                });
+                let native = function_id & corsnap_wire::NATIVE_FRAME_BIT != 0;
+                let idx = if native && self.native_frames == NativeFrames::Collapse {
+                    self.marker_frame(NATIVE_FRAME, FrameKind::Native)
+                } else {
+                    let kind = if native { FrameKind::NativeSymbol } else { FrameKind::Managed };
+                    self.profile.intern_frame(Frame { name: name.clone(), module: module.clone(), kind })
+                };
                 self.functions.insert(*function_id, idx);
             }
             Message::Sample { time_ns, thread_id, kind, weight, truncated, leaf, frames } => {
@@ -120,7 +138,11 @@ impl ProfileBuilder {
                     None => self.synthetic_frame(format!("[unknown function 0x{id:x}]"), FrameKind::Unresolved),
                 },
             };
-            stack.push(idx);
+            // A run of unmanaged frames is one `[native code]` frame.
+            let native_run = self.native_frame.is_some_and(|n| n == idx && stack.last() == Some(&n));
+            if !native_run {
+                stack.push(idx);
+            }
         }
         if truncated {
             stack.push(self.marker_frame(TRUNCATED_FRAME, FrameKind::Truncated));

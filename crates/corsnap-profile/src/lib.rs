@@ -7,7 +7,7 @@
 mod builder;
 pub mod writers;
 
-pub use builder::ProfileBuilder;
+pub use builder::{NativeFrames, ProfileBuilder};
 
 use std::collections::HashMap;
 
@@ -26,6 +26,9 @@ pub enum FrameKind {
     Managed,
     /// A run of unmanaged frames the runtime skipped over (`[native code]`).
     Native,
+    /// One native function (`libc.so.6!qsort`), or an address in a module
+    /// without a symbol there (`libcoreclr.so+0x1a2b3c`).
+    NativeSymbol,
     /// A `FunctionID` whose name the agent never sent.
     Unresolved,
     /// Marks a stack the agent cut short at its buffer size.

@@ -130,6 +130,8 @@ pub struct NativeModule {
     pub name: String,
     /// Where its code is mapped (actual addresses).
     pub code: Range<u64>,
+    /// Actual address minus the address the file states.
+    pub bias: u64,
     module: Module<Bytes>,
 }
 
@@ -164,7 +166,7 @@ impl NativeModule {
             ..Default::default()
         };
         let module = Module::new(name.clone(), code.clone(), bias, info);
-        NativeModule { name, code, module }
+        NativeModule { name, code, bias, module }
     }
 }
 
@@ -477,21 +479,27 @@ fn managed_step<M: Memory>(region: &ManagedCode, mem: &M, regs: Regs, exact: boo
     // after it; unwind as from inside the function then.
     let ip_rva = u32::try_from(regs.ip - region.base).ok()?;
     let rva = if ip_rva < function.end_address.get() { ip_rva } else { lookup_rva };
+    // pe-unwind-info asks for two kinds of bytes: the code from the
+    // address to the function's end (to recognise an epilogue), and unwind
+    // records. Both are handed out exactly, so nothing outside a function or
+    // a record is ever read.
+    let function_end = region.base + u64::from(function.end_address.get());
     let memory_at_rva = |r: u32| -> Option<&[u8]> {
-        if let UnwindBytes::Copied { rva, bytes } = &region.unwind {
-            if let Some(offset) = r.checked_sub(*rva) {
-                if let Some(slice) = bytes.get(offset as usize..) {
-                    if !slice.is_empty() {
-                        return Some(slice);
-                    }
-                }
-            }
+        if r == rva {
+            let start = region.base + u64::from(r);
+            return mem.code_bytes(start..function_end.max(start));
         }
-        let addr = region.base.checked_add(u64::from(r))?;
-        if addr >= region.code.start && addr < region.code.end {
-            mem.code_bytes(addr..region.code.end)
-        } else {
-            None
+        match &region.unwind {
+            UnwindBytes::Copied { rva: first, bytes } => {
+                let slice = bytes.get(r.checked_sub(*first)? as usize..)?;
+                (!slice.is_empty()).then_some(slice)
+            }
+            UnwindBytes::InCode => {
+                let start = region.base.checked_add(u64::from(r))?;
+                let header = mem.code_bytes(start..start.checked_add(4)?)?;
+                let len = unwind_info_len([header[0], header[1], header[2], header[3]]);
+                mem.code_bytes(start..start + len as u64)
+            }
         }
     };
     let mut state = PeState { sp: regs.sp, bp: regs.bp, mem };
@@ -499,6 +507,25 @@ fn managed_step<M: Memory>(region: &ManagedCode, mem: &M, regs: Regs, exact: boo
         Some(ra) => Step::Next(Regs { ip: ra, sp: state.sp, bp: state.bp }),
         None => Step::Lost,
     })
+}
+
+/// The size of an `UNWIND_INFO` record from its 4-byte header: the codes
+/// (an even count of 2-byte slots), then a chained `RUNTIME_FUNCTION` or an
+/// exception handler's RVA. Handler data after that RVA is never read.
+pub fn unwind_info_len(header: [u8; 4]) -> usize {
+    const UNW_FLAG_EHANDLER: u8 = 1;
+    const UNW_FLAG_UHANDLER: u8 = 2;
+    const UNW_FLAG_CHAININFO: u8 = 4;
+    let flags = header[0] >> 3;
+    let codes = (usize::from(header[2]) + 1) & !1;
+    let trailer = if flags & UNW_FLAG_CHAININFO != 0 {
+        12
+    } else if flags & (UNW_FLAG_EHANDLER | UNW_FLAG_UHANDLER) != 0 {
+        4
+    } else {
+        0
+    };
+    4 + 2 * codes + trailer
 }
 
 /// Code the map does not know. At the leaf, a stub or a frameless method

@@ -48,6 +48,45 @@ pub const ENV_BENCH_EXCEPTIONS: &str = "CORSNAP_BENCH_EXCEPTIONS";
 /// measures what the runtime's delivery of them costs by itself.
 pub const ENV_BENCH_ALLOC_SESSION_ONLY: &str = "CORSNAP_BENCH_ALLOC_SESSION_ONLY";
 
+/// Which engine takes CPU samples in a launched agent: `signal` or `suspend`.
+pub const ENV_SAMPLER: &str = "CORSNAP_SAMPLER";
+
+/// How CPU samples are taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SamplerKind {
+    /// One thread at a time, interrupted by its own CPU-time timer, its
+    /// stack walked by corsnap's unwinder in a signal handler.
+    Signal,
+    /// The whole runtime suspended each tick, every thread walked with
+    /// `DoStackSnapshot`.
+    Suspend,
+}
+
+impl SamplerKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            SamplerKind::Signal => "signal",
+            SamplerKind::Suspend => "suspend",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<SamplerKind> {
+        match s {
+            "signal" => Some(SamplerKind::Signal),
+            "suspend" => Some(SamplerKind::Suspend),
+            _ => None,
+        }
+    }
+}
+
+/// Bit 63 of a frame id marks a native frame (a symbol, or an address with
+/// no symbol), named by a `Function` message like managed frames are; no
+/// `FunctionID` (a pointer) ever has it.
+pub const NATIVE_FRAME_BIT: u64 = 1 << 63;
+/// Bit 63 of a thread id marks a thread the runtime does not manage (the GC's,
+/// the JIT's, a native thread of the program), identified by its OS tid.
+pub const NATIVE_THREAD_BIT: u64 = 1 << 63;
+
 /// The agent's CLSID, as the runtime wants it in `CORECLR_PROFILER`.
 pub const AGENT_CLSID: &str = "{6A3B7C2E-9D41-4F8A-B5E2-3C7D1A9F0E64}";
 
@@ -97,6 +136,24 @@ pub struct SamplerStats {
     /// Ticks that came due while the pause budget was spent, and were
     /// skipped so that slow suspensions cannot stop the program for long.
     pub throttled_ticks: u64,
+    /// Which engine took the CPU samples: 0 `suspend`, 1 `signal`.
+    pub engine: u64,
+    /// Signal engine: samples its handler took.
+    pub signal_samples: u64,
+    /// Signal engine: signals that could not become samples (a full
+    /// buffer, a stack in no known mapping, the agent not ready).
+    pub signal_dropped: u64,
+    /// Signal engine: stacks whose walk stopped before the thread's root.
+    pub incomplete_stacks: u64,
+    /// Signal engine: stacks with a frame in code not yet learned (stepped
+    /// over by its return address or frame pointer).
+    pub unknown_code_stacks: u64,
+    /// Signal engine: time from entering the handler to the sample being
+    /// stored, median and 99th percentile over recent samples.
+    pub handler_p50_ns: u64,
+    pub handler_p99_ns: u64,
+    /// Signal engine: threads with a CPU timer now.
+    pub threads_sampled: u64,
 }
 
 /// Everything that travels from the agent to the CLI. `Recording` is written
@@ -499,7 +556,7 @@ fn finish_frame(buf: &mut [u8], start: usize) {
     buf[start..start + 4].copy_from_slice(&len.to_le_bytes());
 }
 
-const STATS_FIELDS: usize = 19;
+const STATS_FIELDS: usize = 27;
 
 fn stats_fields(s: &SamplerStats) -> [u64; STATS_FIELDS] {
     [
@@ -522,6 +579,14 @@ fn stats_fields(s: &SamplerStats) -> [u64; STATS_FIELDS] {
         s.cache_resets,
         s.events_dropped,
         s.throttled_ticks,
+        s.engine,
+        s.signal_samples,
+        s.signal_dropped,
+        s.incomplete_stacks,
+        s.unknown_code_stacks,
+        s.handler_p50_ns,
+        s.handler_p99_ns,
+        s.threads_sampled,
     ]
 }
 
@@ -546,6 +611,14 @@ fn stats_from_fields(v: [u64; STATS_FIELDS]) -> SamplerStats {
         cache_resets: v[16],
         events_dropped: v[17],
         throttled_ticks: v[18],
+        engine: v[19],
+        signal_samples: v[20],
+        signal_dropped: v[21],
+        incomplete_stacks: v[22],
+        unknown_code_stacks: v[23],
+        handler_p50_ns: v[24],
+        handler_p99_ns: v[25],
+        threads_sampled: v[26],
     }
 }
 
@@ -685,6 +758,9 @@ pub struct AttachRequest {
     /// See [`ENV_MAX_PAUSE`]; absent from a request, it is the default.
     pub max_pause_ppm: u32,
     pub log: Option<String>,
+    /// How to take CPU samples; a request without it means `suspend` (what
+    /// agents before the signal engine did).
+    pub sampler: SamplerKind,
 }
 
 const ATTACH_MAGIC: &str = "corsnap-attach-v1";
@@ -695,6 +771,9 @@ impl AttachRequest {
             "{ATTACH_MAGIC}\nsocket={}\nrate={}\nevents={}\npause={}\n",
             self.socket, self.rate_hz, self.events, self.max_pause_ppm
         );
+        if self.sampler != SamplerKind::Suspend {
+            s.push_str(&format!("sampler={}\n", self.sampler.name()));
+        }
         if let Some(log) = &self.log {
             s.push_str(&format!("log={log}\n"));
         }
@@ -717,6 +796,7 @@ impl AttachRequest {
         }
         let (mut socket, mut rate, mut log, mut events) = (None, None, None, None);
         let mut max_pause_ppm = DEFAULT_MAX_PAUSE_PPM;
+        let mut sampler = SamplerKind::Suspend;
         for line in lines {
             match line.split_once('=')? {
                 ("socket", v) if !v.is_empty() => socket = Some(v.to_string()),
@@ -724,10 +804,11 @@ impl AttachRequest {
                 ("events", v) => events = Some(v.parse().ok()?),
                 ("pause", v) => max_pause_ppm = v.parse().ok()?,
                 ("log", v) => log = Some(v.to_string()),
+                ("sampler", v) => sampler = SamplerKind::parse(v)?,
                 _ => return None,
             }
         }
-        Some(AttachRequest { socket: socket?, rate_hz: rate?, events: events?, max_pause_ppm, log })
+        Some(AttachRequest { socket: socket?, rate_hz: rate?, events: events?, max_pause_ppm, log, sampler })
     }
 }
 

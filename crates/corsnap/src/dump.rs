@@ -24,6 +24,7 @@ pub fn run(options: &DumpOptions) -> Result<()> {
     crate::diagnostics::find_socket(options.pid)?;
     let listener = Listener::new()?;
     let request = AttachRequest {
+        sampler: corsnap_wire::SamplerKind::Suspend,
         socket: listener.socket_path().to_string_lossy().into_owned(),
         // Sampling stays paused: only the one snapshot is taken.
         rate_hz: 0,

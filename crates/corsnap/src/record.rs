@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
-use corsnap_profile::ProfileBuilder;
-use corsnap_wire::{AttachRequest, Command as AgentCommand, EventKind, Message, Severity};
+use corsnap_profile::{NativeFrames, ProfileBuilder};
+use corsnap_wire::{AttachRequest, Command as AgentCommand, EventKind, Message, SamplerKind, Severity};
 
 use crate::output::{OutputFile, OutputFormat, Outputs};
 use crate::session::{AgentConnection, Event, Listener};
@@ -44,6 +44,10 @@ pub struct RecordOptions {
     pub events: Vec<EventKind>,
     /// The pause budget, in parts per million of wall time.
     pub max_pause_ppm: u32,
+    /// How CPU samples are taken.
+    pub sampler: SamplerKind,
+    /// Whether native frames are shown one by one.
+    pub native: NativeFrames,
 }
 
 /// The collections, as totals per generation and a list.
@@ -150,6 +154,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                 events: EventKind::mask(&options.events),
                 max_pause_ppm: options.max_pause_ppm,
                 log: options.agent_log.as_deref().map(|p| absolute(p).to_string_lossy().into_owned()),
+                sampler: options.sampler,
             };
             let connection = attach(*pid, &agent, &listener, &request).map_err(cleanup_output)?;
             (Process::Attached { pid: *pid }, connection, process_command_line(*pid))
@@ -158,6 +163,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     let started = Instant::now();
 
     let mut builder = ProfileBuilder::new();
+    builder.set_native_frames(options.native);
     let recording = Message::Recording { command: command_line, start_unix_ms: unix_ms() };
     builder.apply(&recording);
     let mut raw = match options.format {
@@ -333,6 +339,7 @@ fn launch(
         .env(corsnap_wire::ENV_RATE, options.rate_hz.to_string());
     command.env(corsnap_wire::ENV_EVENTS, EventKind::mask(&options.events).to_string());
     command.env(corsnap_wire::ENV_MAX_PAUSE, options.max_pause_ppm.to_string());
+    command.env(corsnap_wire::ENV_SAMPLER, options.sampler.name());
     if let Some(log) = &options.agent_log {
         command.env(corsnap_wire::ENV_LOG, absolute(log));
     }
@@ -423,6 +430,34 @@ pub fn process_command_line(pid: u32) -> String {
 /// One line about what sampling cost inside the program.
 pub fn describe_stats(s: &corsnap_wire::SamplerStats) -> String {
     let us = |ns: u64| ns as f64 / 1000.0;
+    if s.engine == 1 {
+        let suspend = if s.ticks > 0 {
+            format!(
+                "; wall ticks: {} (median suspend {:.1} µs, walk {:.1} µs)",
+                s.ticks,
+                us(s.suspend_p50_ns),
+                us(s.walk_p50_ns)
+            )
+        } else {
+            String::new()
+        };
+        return format!(
+            "agent (signal engine): {} samples from {} threads now sampled, {} dropped; per sample in the handler \
+             median {:.1} µs, p99 {:.1} µs; {} stacks incomplete, {} through code not yet learned, {} truncated; \
+             agent thread CPU {:.0} ms; {} names ({} unresolved){suspend}",
+            s.signal_samples,
+            s.threads_sampled,
+            s.signal_dropped,
+            us(s.handler_p50_ns),
+            us(s.handler_p99_ns),
+            s.incomplete_stacks,
+            s.unknown_code_stacks,
+            s.truncated_stacks,
+            s.sampler_cpu_ns as f64 / 1e6,
+            s.names_resolved,
+            s.name_failures,
+        );
+    }
     let mean = |ns: u64| if s.ticks == 0 { 0.0 } else { us(ns) / s.ticks as f64 };
     format!(
         "agent: {} ticks ({} skipped, {} throttled); per tick median suspend {:.1} µs, walk {:.1} µs, resume {:.1} µs \

@@ -17,6 +17,7 @@ pub struct ReportOptions {
     pub output: PathBuf,
     pub format: OutputFormat,
     pub threads: bool,
+    pub native: corsnap_profile::NativeFrames,
 }
 
 pub fn run(options: &ReportOptions) -> Result<()> {
@@ -27,6 +28,7 @@ pub fn run(options: &ReportOptions) -> Result<()> {
     let mut input = BufReader::new(file);
     read_raw_header(&mut input).with_context(|| format!("reading {}", options.input.display()))?;
     let mut builder = ProfileBuilder::new();
+    builder.set_native_frames(options.native);
     let mut scratch = Vec::new();
     loop {
         match read_message(&mut input, &mut scratch) {

@@ -1,0 +1,560 @@
+//! The `signal` engine: CPU samples without stopping the world.
+//!
+//! Every thread of the process (managed or not, the agent's own excepted)
+//! gets a timer on its own CPU clock; each 1/rate s of CPU it uses, the
+//! kernel interrupts it with `SIGPROF` and corsnap's handler walks its stack
+//! into a buffer of its own (`corsnap_abi::signal`). This engine, on the
+//! agent's thread, does everything else:
+//!
+//! - finds threads (a cheap scan of `/proc/self/task`, and at once when the
+//!   runtime announces one) and arms their timers, and drops exited ones;
+//! - keeps the code map the handler walks with: native modules and their
+//!   CFI (rebuilt when the loader's counters change), the stacks' mappings,
+//!   and managed code learned from the addresses walks met
+//!   ([`crate::code_learning`]), published whole each time it changes;
+//! - drains the buffers and turns raw addresses into frame ids: managed
+//!   ones into `FunctionID`s (named by the same resolver as the `suspend`
+//!   engine's), native ones into `module!symbol` ([`crate::symbols`]).
+//!
+//! Blocked threads use no CPU, so they are never signalled: a system call
+//! that a signal would cut short (a socket read with a timeout) is left
+//! alone.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use corsnap_abi::signal::{self, SignalSampler, SlotId};
+use corsnap_abi::FunctionID;
+use corsnap_unwind::process::{native_module, parse_maps, stack_ranges, LoadedElf};
+use corsnap_unwind::{flags, lookup_address, CodeMap, ManagedCode, NativeModule};
+use corsnap_wire::{SamplerStats, NATIVE_FRAME_BIT};
+
+use crate::code_learning::{CodeLearner, Learned};
+use crate::log;
+use crate::symbols::Symbolizer;
+use crate::Shared;
+
+/// How often `/proc/self/task` is read for new and exited threads.
+const THREAD_SCAN_EVERY: Duration = Duration::from_millis(100);
+/// Entries in the address caches before they are emptied.
+const CACHE_CAP: usize = 200_000;
+/// Frame ids for what has no name of its own.
+pub const UNKNOWN_CODE_KEY: u64 = NATIVE_FRAME_BIT | 1;
+pub const INCOMPLETE_KEY: u64 = NATIVE_FRAME_BIT | 2;
+
+/// One sample, resolved to frame ids.
+#[derive(Debug, Clone)]
+pub struct Sample {
+    pub os_tid: u32,
+    /// Nanoseconds since the agent's epoch.
+    pub time_ns: u64,
+    /// CPU nanoseconds it stands for.
+    pub weight: u64,
+    /// Leaf first: `FunctionID`s, or ids with [`NATIVE_FRAME_BIT`].
+    pub frames: Vec<u64>,
+    pub truncated: bool,
+}
+
+/// What a frame id is, for the CLI.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FrameName {
+    Managed(FunctionID),
+    Native { key: u64, name: String, module: String },
+}
+
+/// A thread being sampled.
+#[derive(Debug)]
+struct Sampled {
+    slot: SlotId,
+}
+
+pub struct SignalEngine {
+    shared: Arc<Shared>,
+    sampler: Option<SignalSampler>,
+    interval_ns: u64,
+    enabled: bool,
+    threads: HashMap<u32, Sampled>,
+    /// Threads that could not be given a timer (gone before it was made).
+    refused: HashSet<u32>,
+    own_tids: HashSet<u32>,
+    next_scan: Instant,
+    loader_counters: (u64, u64),
+    natives: Vec<NativeModule>,
+    native_cache: HashMap<(String, u64), Option<NativeModule>>,
+    managed: Vec<ManagedCode>,
+    stacks: Vec<std::ops::Range<u64>>,
+    map: Arc<CodeMap>,
+    map_dirty: bool,
+    sigreturn: u64,
+    learner: CodeLearner,
+    symbols: Symbolizer,
+    /// Address (as looked up) to frame id.
+    frame_ids: HashMap<u64, u64>,
+    /// Frame ids whose names the CLI has not been sent yet.
+    pending_names: Vec<FrameName>,
+    named: HashSet<u64>,
+    /// Addresses in no known code that the runtime does not manage either.
+    not_managed: HashSet<u64>,
+    mono_epoch_ns: u64,
+    /// `CORSNAP_DEBUG_WALKS`: log every 50th raw walk with what each
+    /// address is.
+    debug_walks: bool,
+    scratch: Vec<u64>,
+    handler_times: Vec<u64>,
+    handler_next: usize,
+    /// Samples of threads that exited, drained before their slots went.
+    leftovers: Vec<Sample>,
+    pub samples: u64,
+    pub incomplete: u64,
+    pub unknown_code: u64,
+    pub truncated: u64,
+    resets: u64,
+}
+
+impl std::fmt::Debug for SignalEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SignalEngine({} threads)", self.threads.len())
+    }
+}
+
+impl SignalEngine {
+    /// Installs the handler and arms timers on every thread. `Err` says why
+    /// the engine cannot run here (the caller falls back to `suspend`).
+    pub fn start(shared: Arc<Shared>, rate_hz: u32) -> Result<SignalEngine, String> {
+        let sampler = SignalSampler::install().map_err(|e| match e {
+            signal::InstallError::SignalInUse => {
+                "the program has its own SIGPROF handler, which corsnap will not replace".to_string()
+            }
+            signal::InstallError::Os(e) => format!("cannot install the sampling signal handler: {e}"),
+        })?;
+        let mono_epoch_ns = signal::monotonic_ns().saturating_sub(shared.now_ns());
+        let learner = CodeLearner::new(shared.info);
+        let mut engine = SignalEngine {
+            shared,
+            sampler: Some(sampler),
+            interval_ns: interval_ns(rate_hz.max(1)),
+            enabled: rate_hz > 0,
+            threads: HashMap::new(),
+            refused: HashSet::new(),
+            own_tids: HashSet::new(),
+            next_scan: Instant::now(),
+            loader_counters: (u64::MAX, u64::MAX),
+            natives: Vec::new(),
+            native_cache: HashMap::new(),
+            managed: Vec::new(),
+            stacks: Vec::new(),
+            map: Arc::new(CodeMap::default()),
+            map_dirty: true,
+            sigreturn: SignalSampler::sigreturn_trampoline(),
+            learner,
+            symbols: Symbolizer::default(),
+            frame_ids: HashMap::new(),
+            pending_names: Vec::new(),
+            named: HashSet::new(),
+            not_managed: HashSet::new(),
+            mono_epoch_ns,
+            debug_walks: std::env::var_os("CORSNAP_DEBUG_WALKS").is_some(),
+            scratch: Vec::with_capacity(signal::MAX_FRAMES),
+            handler_times: Vec::with_capacity(4096),
+            handler_next: 0,
+            leftovers: Vec::new(),
+            samples: 0,
+            incomplete: 0,
+            unknown_code: 0,
+            truncated: 0,
+            resets: 0,
+        };
+        engine.own_tids.insert(corsnap_abi::current_os_tid());
+        engine.refresh_modules();
+        engine.scan_threads();
+        if let Some(s) = &engine.sampler {
+            s.set_enabled(engine.enabled);
+        }
+        log::write(format_args!(
+            "signal engine: {} native modules, {} threads, signal trampoline {}",
+            engine.natives.len(),
+            engine.threads.len(),
+            if engine.sigreturn != 0 { "known" } else { "unknown" }
+        ));
+        Ok(engine)
+    }
+
+    /// Sampling rate in Hz; 0 pauses.
+    pub fn set_rate(&mut self, hz: u32) {
+        self.enabled = hz > 0;
+        if let Some(s) = &self.sampler {
+            if hz > 0 {
+                self.interval_ns = interval_ns(hz);
+                s.set_interval(self.interval_ns);
+            }
+            s.set_enabled(self.enabled);
+        }
+    }
+
+    /// Looks for threads now (the runtime announced one).
+    pub fn thread_announced(&mut self) {
+        self.next_scan = Instant::now();
+    }
+
+    /// One round on the agent's thread: threads, modules, map, and the
+    /// samples taken since the last round.
+    pub fn collect(&mut self, out: &mut Vec<Sample>) {
+        if self.sampler.is_none() {
+            return;
+        }
+        if Instant::now() >= self.next_scan {
+            self.refresh_modules();
+            self.scan_threads();
+        }
+        self.drain(out);
+        out.append(&mut self.leftovers);
+        if self.map_dirty {
+            self.publish();
+        }
+        if let Some(s) = self.sampler.as_mut() {
+            s.reclaim();
+        }
+    }
+
+    /// Names the CLI has not heard yet.
+    pub fn take_names(&mut self) -> Vec<FrameName> {
+        std::mem::take(&mut self.pending_names)
+    }
+
+    pub fn fill_stats(&mut self, stats: &mut SamplerStats) {
+        let mut dropped = 0;
+        if let Some(s) = &self.sampler {
+            for t in self.threads.values() {
+                if let Some(slot) = s.slot(t.slot) {
+                    dropped += slot.dropped_full.load(std::sync::atomic::Ordering::Relaxed)
+                        + slot.unknown_stack.load(std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        }
+        let c = signal::counters();
+        stats.engine = 1;
+        stats.signal_samples = self.samples;
+        stats.signal_dropped = dropped + c.not_ready + c.no_slot;
+        stats.incomplete_stacks = self.incomplete;
+        stats.unknown_code_stacks = self.unknown_code;
+        stats.truncated_stacks = self.truncated;
+        stats.threads_sampled = self.threads.len() as u64;
+        stats.cache_resets += self.resets;
+        let mut times = self.handler_times.clone();
+        times.sort_unstable();
+        let pct = |p: usize| times.get((times.len().saturating_sub(1)) * p / 100).copied().unwrap_or(0);
+        stats.handler_p50_ns = pct(50);
+        stats.handler_p99_ns = pct(99);
+    }
+
+    /// Takes the handler out of the process (see `SignalSampler::uninstall`).
+    pub fn stop(&mut self) {
+        if let Some(sampler) = self.sampler.take() {
+            let mut rest = Vec::new();
+            self.drain_all(&sampler, &mut rest);
+            if !sampler.uninstall(Duration::from_secs(2)) {
+                log::write(format_args!("signal handlers still running after 2 s; their buffers are left allocated"));
+            }
+            let c = signal::counters();
+            log::write(format_args!("signal engine stopped: {} samples; {c:?}", self.samples));
+        }
+    }
+
+    fn drain_all(&mut self, sampler: &SignalSampler, out: &mut Vec<Sample>) {
+        let slots: Vec<(u32, SlotId)> = self.threads.iter().map(|(&tid, t)| (tid, t.slot)).collect();
+        for (tid, slot) in slots {
+            let mut raw: Vec<(u64, u64, u64, u32, Vec<u64>)> = Vec::new();
+            if let Some(slot) = sampler.slot(slot) {
+                slot.drain(&mut self.scratch, |s| {
+                    raw.push((s.intervals, s.time_ns, s.handler_ns, s.flags, s.frames.to_vec()))
+                });
+            }
+            for (intervals, time_ns, handler_ns, walk_flags, frames) in raw {
+                if let Some(sample) = self.resolve(tid, intervals, time_ns, handler_ns, walk_flags, &frames) {
+                    out.push(sample);
+                }
+            }
+        }
+    }
+
+    fn drain(&mut self, out: &mut Vec<Sample>) {
+        if let Some(sampler) = self.sampler.take() {
+            self.drain_all(&sampler, out);
+            self.sampler = Some(sampler);
+        }
+    }
+
+    fn resolve(
+        &mut self,
+        tid: u32,
+        intervals: u64,
+        time_ns: u64,
+        handler_ns: u64,
+        walk_flags: u32,
+        raw: &[u64],
+    ) -> Option<Sample> {
+        if raw.is_empty() {
+            return None;
+        }
+        self.samples += 1;
+        if self.handler_times.len() < 4096 {
+            self.handler_times.push(handler_ns);
+        } else {
+            self.handler_times[self.handler_next] = handler_ns;
+            self.handler_next = (self.handler_next + 1) % 4096;
+        }
+        if walk_flags & flags::UNKNOWN_CODE != 0 {
+            self.unknown_code += 1;
+        }
+        let truncated = walk_flags & flags::TRUNCATED != 0;
+        if truncated {
+            self.truncated += 1;
+        }
+        let mut frames = Vec::with_capacity(raw.len() + 1);
+        if self.debug_walks && self.samples % 50 == 0 {
+            let desc: Vec<String> = raw
+                .iter()
+                .map(|&f| {
+                    let a = lookup_address(f);
+                    let what = if let Some(m) = self.map.managed_at(a) {
+                        format!("M{:#x}", m.tag)
+                    } else if let Some(n) = self.map.native_at(a) {
+                        n.name.rsplit('/').next().unwrap_or("").to_string()
+                    } else {
+                        "?".into()
+                    };
+                    format!("{f:#x}({what})")
+                })
+                .collect();
+            log::write(format_args!("walk flags {walk_flags:#x}: {}", desc.join(" ")));
+        }
+        for &frame in raw {
+            let key = self.frame_id(lookup_address(frame));
+            // A run of frames in one unnamed place reads as one frame.
+            if key == UNKNOWN_CODE_KEY && frames.last() == Some(&key) {
+                continue;
+            }
+            frames.push(key);
+        }
+        if walk_flags & flags::LOST != 0 {
+            self.incomplete += 1;
+            self.note_name(FrameName::Native {
+                key: INCOMPLETE_KEY,
+                name: "[incomplete stack]".into(),
+                module: String::new(),
+            });
+            frames.push(INCOMPLETE_KEY);
+        }
+        Some(Sample {
+            os_tid: tid,
+            time_ns: time_ns.saturating_sub(self.mono_epoch_ns),
+            weight: intervals.max(1) * self.interval_ns,
+            frames,
+            truncated,
+        })
+    }
+
+    /// The frame id of the code at `addr` (a lookup address: inside the
+    /// instruction or call it stands for).
+    fn frame_id(&mut self, addr: u64) -> u64 {
+        if let Some(&id) = self.frame_ids.get(&addr) {
+            return id;
+        }
+        if self.frame_ids.len() >= CACHE_CAP {
+            self.frame_ids.clear();
+            self.named.clear();
+            self.resets += 1;
+        }
+        let id = self.identify(addr);
+        self.frame_ids.insert(addr, id);
+        id
+    }
+
+    fn identify(&mut self, addr: u64) -> u64 {
+        if let Some(region) = self.map.managed_at(addr) {
+            if region.tag != 0 {
+                return self.managed(region.tag as FunctionID);
+            }
+            // An image: ask the runtime which method (once per address).
+            return match self.shared.info.get_function_from_ip(addr as usize) {
+                Ok(f) => self.managed(f),
+                Err(_) => self.unknown_code(),
+            };
+        }
+        if let Some(module) = self.map.native_at(addr) {
+            let (path, bias) = (module.name.clone(), module.bias);
+            let n = self.symbols.name(&path, bias, addr);
+            let key = n.key;
+            self.note_name(FrameName::Native { key, name: n.name, module: n.module });
+            return key;
+        }
+        if self.not_managed.contains(&addr) {
+            return self.unknown_code();
+        }
+        // Code the map does not know: a method not learned yet, or a stub.
+        // Learned earlier in this round, not yet in the published map.
+        if let Some(code) = self.managed.iter().rev().find(|m| m.code.contains(&addr)) {
+            let tag = code.tag;
+            return match tag {
+                0 => match self.shared.info.get_function_from_ip(addr as usize) {
+                    Ok(f) => self.managed(f),
+                    Err(_) => self.unknown_code(),
+                },
+                f => self.managed(f as FunctionID),
+            };
+        }
+        match self.learner.learn(addr) {
+            Learned::Code(code) => {
+                let tag = code.tag;
+                self.add_managed(code);
+                match tag {
+                    0 => match self.shared.info.get_function_from_ip(addr as usize) {
+                        Ok(f) => self.managed(f),
+                        Err(_) => self.unknown_code(),
+                    },
+                    f => self.managed(f as FunctionID),
+                }
+            }
+            Learned::FunctionOnly(f) => self.managed(f),
+            Learned::NotManaged => {
+                if self.not_managed.len() >= CACHE_CAP {
+                    self.not_managed.clear();
+                }
+                self.not_managed.insert(addr);
+                self.unknown_code()
+            }
+        }
+    }
+
+    fn managed(&mut self, function: FunctionID) -> u64 {
+        self.note_name(FrameName::Managed(function));
+        function as u64
+    }
+
+    fn unknown_code(&mut self) -> u64 {
+        self.note_name(FrameName::Native {
+            key: UNKNOWN_CODE_KEY,
+            name: "[unknown code]".into(),
+            module: String::new(),
+        });
+        UNKNOWN_CODE_KEY
+    }
+
+    fn note_name(&mut self, name: FrameName) {
+        let key = match &name {
+            FrameName::Managed(f) => *f as u64,
+            FrameName::Native { key, .. } => *key,
+        };
+        if self.named.insert(key) {
+            self.pending_names.push(name);
+        }
+    }
+
+    fn add_managed(&mut self, code: ManagedCode) {
+        // A newer body at the same place replaces the old one.
+        self.managed.retain(|m| m.code.end <= code.code.start || m.code.start >= code.code.end);
+        self.managed.push(code);
+        self.map_dirty = true;
+        // Addresses cached as unknown may be in it now.
+        self.frame_ids.retain(|_, id| *id != UNKNOWN_CODE_KEY);
+    }
+
+    /// Rebuilds the native part of the map if the loader's set changed.
+    fn refresh_modules(&mut self) {
+        let (objects, counters) = corsnap_abi::process::loaded_objects();
+        if counters == self.loader_counters {
+            return;
+        }
+        self.loader_counters = counters;
+        let mut natives = Vec::new();
+        for o in &objects {
+            let entry = self.native_cache.entry((o.name.clone(), o.bias)).or_insert_with(|| {
+                let elf =
+                    LoadedElf { name: &o.name, bias: o.bias, segments: &o.segments, eh_frame_hdr: o.eh_frame_hdr };
+                native_module(&elf, corsnap_abi::process::read_own_bytes)
+            });
+            if let Some(m) = entry {
+                natives.push(m.clone());
+            }
+        }
+        self.natives = natives;
+        self.map_dirty = true;
+    }
+
+    /// New threads get a timer (after the map knows their stacks); exited
+    /// ones are drained and dropped.
+    fn scan_threads(&mut self) {
+        self.next_scan = Instant::now() + THREAD_SCAN_EVERY;
+        let Ok(dir) = std::fs::read_dir("/proc/self/task") else { return };
+        let live: HashSet<u32> = dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok()).collect();
+        let gone: Vec<u32> = self.threads.keys().filter(|t| !live.contains(t)).copied().collect();
+        if !gone.is_empty() {
+            let mut out = Vec::new();
+            self.drain(&mut out);
+            // Samples of threads that exited since the last drain are still
+            // wanted; they go out with the next round.
+            self.leftovers.extend(out);
+            if let Some(sampler) = self.sampler.as_mut() {
+                for tid in gone {
+                    if let Some(t) = self.threads.remove(&tid) {
+                        sampler.remove_exited_thread(t.slot);
+                    }
+                }
+            }
+        }
+        self.refused.retain(|t| live.contains(t));
+        let new: Vec<u32> = live
+            .iter()
+            .filter(|t| !self.threads.contains_key(t) && !self.own_tids.contains(t) && !self.refused.contains(t))
+            .copied()
+            .collect();
+        if new.is_empty() {
+            return;
+        }
+        // Their stacks must be in the map before a signal can arrive.
+        self.refresh_stacks();
+        self.publish();
+        let Some(sampler) = self.sampler.as_mut() else { return };
+        for tid in new {
+            if is_agent_thread(tid) {
+                self.own_tids.insert(tid);
+                continue;
+            }
+            match sampler.add_thread(tid, self.interval_ns) {
+                Ok(slot) => {
+                    self.threads.insert(tid, Sampled { slot });
+                }
+                Err(_) => {
+                    self.refused.insert(tid);
+                }
+            }
+        }
+    }
+
+    fn refresh_stacks(&mut self) {
+        if let Ok(text) = std::fs::read_to_string("/proc/self/maps") {
+            self.stacks = stack_ranges(&parse_maps(&text));
+            self.map_dirty = true;
+        }
+    }
+
+    fn publish(&mut self) {
+        let map = CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn, [0, 0]);
+        self.managed = map.managed().to_vec();
+        self.map = Arc::new(map);
+        if let Some(s) = self.sampler.as_mut() {
+            s.publish(self.map.clone());
+        }
+        self.map_dirty = false;
+    }
+}
+
+fn interval_ns(hz: u32) -> u64 {
+    1_000_000_000 / u64::from(hz.clamp(1, crate::MAX_RATE_HZ))
+}
+
+/// The agent's own threads are named `corsnap-…`.
+fn is_agent_thread(tid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/self/task/{tid}/comm")).is_ok_and(|n| n.starts_with("corsnap-"))
+}

@@ -1,0 +1,205 @@
+//! Names for native frames, from ELF symbol tables, on the agent's thread
+//! (never in the signal handler): `libc.so.6!qsort`, or `libcoreclr.so+0x1a2b3c`
+//! where the module has no symbol there (Microsoft ships libcoreclr.so with
+//! only its exports; its `.gnu_debuglink` file, when installed beside it or
+//! under /usr/lib/debug, is used instead).
+//!
+//! A module's table is read once, the first time one of its addresses needs
+//! a name: `.symtab` if the file (or its debug file) has one, else `.dynsym`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use object::{Object, ObjectSymbol, SymbolKind};
+
+/// One function: stated start address, size, demangled name.
+#[derive(Debug, Clone)]
+struct Symbol {
+    start: u64,
+    end: u64,
+    name: String,
+}
+
+#[derive(Debug, Default)]
+struct SymbolTable {
+    /// Sorted by start.
+    symbols: Vec<Symbol>,
+}
+
+impl SymbolTable {
+    fn from_elf(data: &[u8]) -> Option<SymbolTable> {
+        let file = object::File::parse(data).ok()?;
+        let mut symbols: Vec<Symbol> = Vec::new();
+        let mut add = |sym: object::Symbol<'_, '_>| {
+            if sym.kind() != SymbolKind::Text || sym.address() == 0 {
+                return;
+            }
+            let Ok(name) = sym.name() else { return };
+            if name.is_empty() {
+                return;
+            }
+            symbols.push(Symbol { start: sym.address(), end: sym.address() + sym.size(), name: demangle(name) });
+        };
+        let mut any = false;
+        for sym in file.symbols() {
+            any = true;
+            add(sym);
+        }
+        if !any {
+            for sym in file.dynamic_symbols() {
+                add(sym);
+            }
+        }
+        symbols.sort_by(|a, b| a.start.cmp(&b.start).then(b.end.cmp(&a.end)));
+        symbols.dedup_by_key(|s| s.start);
+        // Symbols without a size reach to the next symbol.
+        for i in 0..symbols.len() {
+            if symbols[i].end == symbols[i].start {
+                symbols[i].end = symbols.get(i + 1).map_or(symbols[i].start + 1, |n| n.start);
+            }
+        }
+        Some(SymbolTable { symbols })
+    }
+
+    /// The symbol covering stated address `addr`.
+    fn lookup(&self, addr: u64) -> Option<&Symbol> {
+        let i = self.symbols.partition_point(|s| s.start <= addr);
+        let s = self.symbols.get(i.checked_sub(1)?)?;
+        (addr < s.end).then_some(s)
+    }
+}
+
+fn demangle(name: &str) -> String {
+    if let Ok(d) = rustc_demangle::try_demangle(name) {
+        return format!("{d:#}");
+    }
+    if name.starts_with("_Z") {
+        if let Ok(sym) = cpp_demangle::Symbol::new(name) {
+            if let Ok(text) = sym.demangle(&cpp_demangle::DemangleOptions::new().no_params()) {
+                return text;
+            }
+        }
+    }
+    name.to_string()
+}
+
+/// The file with the symbols for `path`: the debug file its
+/// `.gnu_debuglink` or build id names, if one is installed, else itself.
+fn debug_file_for(path: &Path, data: &[u8]) -> Option<PathBuf> {
+    let file = object::File::parse(data).ok()?;
+    if file.section_by_name(".symtab").is_some() {
+        return None;
+    }
+    let mut candidates = Vec::new();
+    if let Ok(Some(id)) = file.build_id() {
+        if id.len() > 1 {
+            let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+            candidates.push(PathBuf::from(format!("/usr/lib/debug/.build-id/{}/{}.debug", &hex[..2], &hex[2..])));
+        }
+    }
+    if let Ok(Some((link, _crc))) = file.gnu_debuglink() {
+        let link = String::from_utf8_lossy(link).into_owned();
+        if let Some(dir) = path.parent() {
+            candidates.push(dir.join(&link));
+            candidates.push(dir.join(".debug").join(&link));
+            candidates.push(Path::new("/usr/lib/debug").join(dir.strip_prefix("/").unwrap_or(dir)).join(&link));
+        }
+    }
+    candidates.into_iter().find(|c| c.is_file() && c != path)
+}
+
+/// What a native frame is called, and the id it goes by on the wire.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NativeName {
+    /// [`corsnap_wire::NATIVE_FRAME_BIT`] with the symbol's (or, without
+    /// one, the address's) actual address.
+    pub key: u64,
+    pub name: String,
+    /// The module's file name.
+    pub module: String,
+}
+
+/// Symbol tables by module path, read on first use.
+#[derive(Debug, Default)]
+pub struct Symbolizer {
+    tables: HashMap<String, Option<SymbolTable>>,
+}
+
+impl Symbolizer {
+    /// Names `addr` in the module loaded from `path` (empty: the main
+    /// executable) with load bias `bias`.
+    pub fn name(&mut self, path: &str, bias: u64, addr: u64) -> NativeName {
+        let module = module_file_name(path);
+        let table = self.tables.entry(path.to_string()).or_insert_with(|| load_table(path));
+        let stated = addr.wrapping_sub(bias);
+        match table.as_ref().and_then(|t| t.lookup(stated)) {
+            Some(sym) => NativeName {
+                key: corsnap_wire::NATIVE_FRAME_BIT | bias.wrapping_add(sym.start),
+                name: format!("{module}!{}", sym.name),
+                module,
+            },
+            None => NativeName {
+                key: corsnap_wire::NATIVE_FRAME_BIT | addr,
+                name: format!("{module}+0x{stated:x}"),
+                module,
+            },
+        }
+    }
+}
+
+/// `libc.so.6` from `/lib/x86_64-linux-gnu/libc.so.6`; the executable's own
+/// name for the main program.
+pub fn module_file_name(path: &str) -> String {
+    let path = if path.is_empty() { std::fs::read_link("/proc/self/exe").ok() } else { Some(PathBuf::from(path)) };
+    path.as_deref()
+        .and_then(|p| p.file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "[unknown module]".to_string())
+}
+
+fn load_table(path: &str) -> Option<SymbolTable> {
+    if path == "linux-vdso.so.1" {
+        return vdso_image().and_then(|data| SymbolTable::from_elf(&data));
+    }
+    let file = if path.is_empty() { PathBuf::from("/proc/self/exe") } else { PathBuf::from(path) };
+    let data = std::fs::read(&file).ok()?;
+    if let Some(debug) = debug_file_for(&file, &data) {
+        if let Some(table) = std::fs::read(&debug).ok().and_then(|d| SymbolTable::from_elf(&d)) {
+            return Some(table);
+        }
+    }
+    SymbolTable::from_elf(&data)
+}
+
+/// The vDSO's ELF image, copied out of memory (it has no file).
+fn vdso_image() -> Option<Vec<u8>> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    let line = maps.lines().find(|l| l.ends_with("[vdso]"))?;
+    let (start, end) = line.split_whitespace().next()?.split_once('-')?;
+    let start = u64::from_str_radix(start, 16).ok()?;
+    let end = u64::from_str_radix(end, 16).ok()?;
+    corsnap_abi::process::read_own_bytes(start, (end - start) as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn libc_functions_are_named_and_keyed_by_their_start() {
+        let (objects, _) = corsnap_abi::process::loaded_objects();
+        let libc = objects.iter().find(|o| o.name.contains("libc.so")).unwrap();
+        let qsort = libc::qsort as *const () as u64;
+        let mut s = Symbolizer::default();
+        let a = s.name(&libc.name, libc.bias, qsort + 4);
+        assert_eq!(a.name, "libc.so.6!qsort");
+        assert_eq!(a.key, corsnap_wire::NATIVE_FRAME_BIT | qsort);
+        assert_eq!(a.module, "libc.so.6");
+    }
+
+    #[test]
+    fn cpp_and_rust_names_are_demangled() {
+        assert_eq!(demangle("_ZN3WKS7gc_heap14garbage_collectEi"), "WKS::gc_heap::garbage_collect");
+        assert_eq!(demangle("qsort"), "qsort");
+    }
+}
