@@ -67,12 +67,22 @@ pub const MAX_FRAMES: usize = 1024;
 pub const RING_WORDS: usize = 8192;
 /// Threads that can be sampled at once.
 pub const MAX_SLOTS: usize = 16384;
-/// A record in a ring: header, weight, time, time in the handler, then the
-/// frames.
-const RECORD_HEAD: usize = 4;
+/// A record in a ring: header, weight, time, time in the handler, words of
+/// stack copy, then the frames, then the copy (if any).
+const RECORD_HEAD: usize = 5;
+/// When a walk met code the map does not know yet, the handler also keeps
+/// up to this many words of the stack (and the registers), so the agent can
+/// walk the sample again once it has learned that code.
+const STACK_COPY_WORDS: usize = 2048;
 
 /// `si_code` of a signal raised by a POSIX timer.
 const SI_TIMER: c_int = -2;
+/// `si_code`s of a signal raised by a perf event's overflow (`F_SETSIG`):
+/// `POLL_HUP` when its refresh count ran out, `POLL_IN` otherwise.
+const POLL_IN: c_int = 1;
+const POLL_HUP: c_int = 6;
+/// Perf event fds up to this number can be mapped to slots in the handler.
+const MAX_PERF_FD: usize = 65536;
 
 // siginfo_t for timer signals (kernel `__sifields._timer`): si_code at 8,
 // si_overrun at 20, si_value at 24; 128 bytes in all.
@@ -80,10 +90,16 @@ const _: () = assert!(std::mem::size_of::<libc::siginfo_t>() == 128);
 const SI_CODE_OFFSET: usize = 8;
 const SI_OVERRUN_OFFSET: usize = 20;
 const SI_VALUE_OFFSET: usize = 24;
+// For SIGPOLL-style signals (`__sifields._sigpoll`): si_band (a long) at 16,
+// si_fd at 24.
+const SI_FD_OFFSET: usize = 24;
 
 /// The slots of the threads being sampled, indexed by the value each
 /// thread's timer carries.
 static SLOTS: [AtomicPtr<ThreadSlot>; MAX_SLOTS] = [const { AtomicPtr::new(null_mut()) }; MAX_SLOTS];
+/// Slot index + 1 of the thread whose perf event has each fd (0: none).
+static PERF_FDS: [std::sync::atomic::AtomicU32; MAX_PERF_FD] =
+    [const { std::sync::atomic::AtomicU32::new(0) }; MAX_PERF_FD];
 /// The code map walks read; replaced whole, freed only when no handler runs.
 static MAP: AtomicPtr<CodeMap> = AtomicPtr::new(null_mut());
 /// Samples are taken only while this is set.
@@ -98,6 +114,10 @@ static PANICKED: AtomicU64 = AtomicU64::new(0);
 /// thread) and the ring the agent drains.
 pub struct ThreadSlot {
     tid: u32,
+    /// The perf event that samples this thread, or -1 (a POSIX timer does).
+    perf_fd: i32,
+    /// The mean CPU time between samples, in nanoseconds.
+    interval_ns: AtomicU64,
     walking: UnsafeCell<Walking>,
     ring: Ring,
     /// Samples written.
@@ -111,6 +131,10 @@ pub struct ThreadSlot {
 struct Walking {
     cache: WalkCache,
     frames: [u64; MAX_FRAMES],
+    /// The period the perf event is running now (the weight of its next
+    /// sample), and the state of the generator that dithers it.
+    period_ns: u64,
+    rng: u64,
 }
 
 // SAFETY: `walking` is only touched by the signal handler running on thread
@@ -145,16 +169,33 @@ impl Ring {
         }
     }
 
-    /// Appends one record, or returns false if it does not fit.
-    fn push(&self, head: [u64; RECORD_HEAD], frames: &[u64]) -> bool {
-        let n = RECORD_HEAD + frames.len();
+    /// Appends one record, or returns false if it does not fit. With
+    /// `copy`, the registers and `copy.1` words of stack from `regs.sp` go
+    /// after the frames, if there is room for them (else they are left out).
+    fn push(&self, mut head: [u64; RECORD_HEAD], frames: &[u64], copy: Option<(Regs, usize, &LiveMemory<'_>)>) -> bool {
         let h = self.head.load(Ordering::Relaxed);
         let t = self.tail.load(Ordering::Acquire);
-        if RING_WORDS - (h - t) < n {
+        let free = RING_WORDS - (h - t);
+        let base = RECORD_HEAD + frames.len();
+        if free < base {
             return false;
         }
+        let copy = copy.filter(|c| free >= base + 3 + c.1);
+        head[4] = copy.map_or(0, |c| 3 + c.1 as u64);
         for (i, &w) in head.iter().chain(frames).enumerate() {
             self.words[(h + i) % RING_WORDS].store(w, Ordering::Relaxed);
+        }
+        let mut n = base;
+        if let Some((regs, words, memory)) = copy {
+            for w in [regs.ip, regs.sp, regs.bp] {
+                self.words[(h + n) % RING_WORDS].store(w, Ordering::Relaxed);
+                n += 1;
+            }
+            for i in 0..words as u64 {
+                let w = memory.stack_word(regs.sp + 8 * i).unwrap_or(0);
+                self.words[(h + n) % RING_WORDS].store(w, Ordering::Relaxed);
+                n += 1;
+            }
         }
         self.head.store(h + n, Ordering::Release);
         true
@@ -164,8 +205,9 @@ impl Ring {
 /// One sample as the agent drains it.
 #[derive(Debug, Clone, Copy)]
 pub struct RawSample<'a> {
-    /// Timer intervals this sample stands for (1 + overrun).
-    pub intervals: u64,
+    /// CPU nanoseconds this sample stands for (the perf period that ran
+    /// out, or the timer's interval times 1 + its overrun).
+    pub weight_ns: u64,
     /// `CLOCK_MONOTONIC` nanoseconds when it was taken.
     pub time_ns: u64,
     /// `corsnap_unwind::flags`.
@@ -174,6 +216,43 @@ pub struct RawSample<'a> {
     pub handler_ns: u64,
     /// Leaf first; see `corsnap_unwind::EXACT_IP`.
     pub frames: &'a [u64],
+    /// The stack as it was, when the walk met code not known yet.
+    pub stack: Option<StackCopy<'a>>,
+}
+
+/// A copy of the top of a sampled thread's stack, with its registers.
+#[derive(Debug, Clone, Copy)]
+pub struct StackCopy<'a> {
+    pub regs: Regs,
+    /// The words from `regs.sp` up.
+    pub words: &'a [u64],
+}
+
+/// Walks a sample again from its stack copy, with `map` (which may know more
+/// code now than when the sample was taken). Code bytes are read live, as in
+/// the handler: only inside managed regions of `map`, which are mapped.
+pub fn rewalk(map: &CodeMap, copy: &StackCopy<'_>, cache: &mut WalkCache, out: &mut [u64]) -> corsnap_unwind::Walk {
+    struct CopyMemory<'a> {
+        copy: &'a StackCopy<'a>,
+        live: LiveMemory<'a>,
+    }
+    impl Memory for CopyMemory<'_> {
+        fn stack_word(&self, addr: u64) -> Option<u64> {
+            let offset = addr.checked_sub(self.copy.regs.sp)?;
+            if offset % 8 != 0 {
+                let i = (offset / 8) as usize;
+                let (lo, hi) = (*self.copy.words.get(i)?, *self.copy.words.get(i + 1)?);
+                let shift = (offset % 8) * 8;
+                return Some(lo >> shift | hi << (64 - shift));
+            }
+            self.copy.words.get((offset / 8) as usize).copied()
+        }
+        fn code_bytes(&self, range: std::ops::Range<u64>) -> Option<&[u8]> {
+            self.live.code_bytes(range)
+        }
+    }
+    let memory = CopyMemory { copy, live: LiveMemory { stack: 0..0, map } };
+    corsnap_unwind::walk(map, &memory, copy.regs, cache, out)
 }
 
 impl ThreadSlot {
@@ -190,19 +269,24 @@ impl ThreadSlot {
             let word = |i: usize| ring.words[(t + i) % RING_WORDS].load(Ordering::Relaxed);
             let header = word(0);
             let len = (header & 0xffff_ffff) as usize;
-            if RECORD_HEAD + len > h - t {
+            let copied = word(4) as usize;
+            if RECORD_HEAD + len + copied > h - t {
                 break; // cannot happen: the producer publishes whole records
             }
             scratch.clear();
-            scratch.extend((0..len).map(|i| word(RECORD_HEAD + i)));
+            scratch.extend((0..len + copied).map(|i| word(RECORD_HEAD + i)));
+            let (frames, rest) = scratch.split_at(len);
+            let stack = (copied >= 3)
+                .then(|| StackCopy { regs: Regs { ip: rest[0], sp: rest[1], bp: rest[2] }, words: &rest[3..] });
             f(RawSample {
-                intervals: word(1),
+                weight_ns: word(1),
                 time_ns: word(2),
                 handler_ns: word(3),
                 flags: (header >> 32) as u32,
-                frames: scratch,
+                frames,
+                stack,
             });
-            t += RECORD_HEAD + len;
+            t += RECORD_HEAD + len + copied;
         }
         ring.tail.store(t, Ordering::Release);
     }
@@ -276,11 +360,25 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
             (raw.add(SI_VALUE_OFFSET) as *const usize).read_unaligned(),
         )
     };
-    if code != SI_TIMER {
-        FOREIGN.fetch_add(1, Ordering::Relaxed);
-        return;
-    }
-    let Some(slot) = SLOTS.get(value & 0xffff_ffff).map(|s| s.load(Ordering::Acquire)) else {
+    let index = match code {
+        SI_TIMER => value & 0xffff_ffff,
+        POLL_IN | POLL_HUP => {
+            // SAFETY: si_fd inside the 128-byte siginfo_t.
+            let fd = unsafe { (raw.add(SI_FD_OFFSET) as *const c_int).read_unaligned() };
+            match PERF_FDS.get(fd as usize).map(|s| s.load(Ordering::Acquire)) {
+                Some(i) if i > 0 => i as usize - 1,
+                _ => {
+                    NO_SLOT.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+            }
+        }
+        _ => {
+            FOREIGN.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+    };
+    let Some(slot) = SLOTS.get(index).map(|s| s.load(Ordering::Acquire)) else {
         NO_SLOT.fetch_add(1, Ordering::Relaxed);
         return;
     };
@@ -292,6 +390,24 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
     let Some(slot) = (unsafe { slot.as_ref() }).filter(|s| s.tid == tid) else {
         NO_SLOT.fetch_add(1, Ordering::Relaxed);
         return;
+    };
+    // SAFETY: only this thread's handler touches `walking` (tid checked
+    // above), and it cannot be re-entered while SIGPROF is blocked.
+    let walking = unsafe { &mut *slot.walking.get() };
+    let weight_ns = if slot.perf_fd >= 0 {
+        // The period that just ran out is this sample's weight; the next one
+        // is dithered around the interval, so a program whose work repeats
+        // at the sampling period is not seen at the same point each time.
+        let elapsed = walking.period_ns;
+        walking.rng ^= walking.rng << 13;
+        walking.rng ^= walking.rng >> 7;
+        walking.rng ^= walking.rng << 17;
+        let interval = slot.interval_ns.load(Ordering::Relaxed).max(10_000);
+        walking.period_ns = interval / 2 + walking.rng % interval;
+        rearm_perf_event(slot.perf_fd, walking.period_ns);
+        elapsed
+    } else {
+        (1 + overrun.max(0) as u64) * slot.interval_ns.load(Ordering::Relaxed)
     };
     // SAFETY: see step 4 of the module documentation.
     let Some(map) = (unsafe { MAP.load(Ordering::Acquire).as_ref() }) else {
@@ -309,16 +425,14 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
         slot.unknown_stack.fetch_add(1, Ordering::Relaxed);
         return;
     };
-    // SAFETY: only this thread's handler touches `walking` (tid checked
-    // above), and it cannot be re-entered while SIGPROF is blocked.
-    let walking = unsafe { &mut *slot.walking.get() };
+    let stack_words = ((stack.end - regs.sp) / 8).min(STACK_COPY_WORDS as u64) as usize;
     let memory = LiveMemory { stack, map };
     let walk = corsnap_unwind::walk(map, &memory, regs, &mut walking.cache, &mut walking.frames);
     let time_ns = monotonic_ns();
     let frames = walking.frames.get(..walk.len).unwrap_or(&[]);
     let header = frames.len() as u64 | u64::from(walk.flags) << 32;
-    let intervals = 1 + overrun.max(0) as u64;
-    if slot.ring.push([header, intervals, time_ns, time_ns.saturating_sub(entered)], frames) {
+    let copy = (walk.flags & corsnap_unwind::flags::UNKNOWN_CODE != 0).then_some((regs, stack_words, &memory));
+    if slot.ring.push([header, weight_ns, time_ns, time_ns.saturating_sub(entered), 0], frames, copy) {
         slot.samples.fetch_add(1, Ordering::Relaxed);
     } else {
         slot.dropped_full.fetch_add(1, Ordering::Relaxed);
@@ -532,6 +646,9 @@ pub struct SignalSampler {
     previous: libc::sigaction,
     retired: Vec<*mut CodeMap>,
     timers: Vec<(usize, i32)>,
+    perf_fds: Vec<(usize, i32)>,
+    perf_usable: bool,
+    perf_refusal: Option<String>,
     free_slots: Vec<usize>,
     next_slot: usize,
 }
@@ -592,11 +709,15 @@ impl SignalSampler {
         if unsafe { libc::sigaction(SAMPLE_SIGNAL, &action, null_mut()) } != 0 {
             return Err(InstallError::Os(std::io::Error::last_os_error()));
         }
+        let perf_usable = std::env::var_os("CORSNAP_NO_PERF_EVENTS").is_none();
         Ok(SignalSampler {
             trampoline,
             previous,
             retired: Vec::new(),
             timers: Vec::new(),
+            perf_fds: Vec::new(),
+            perf_usable,
+            perf_refusal: (!perf_usable).then(|| "CORSNAP_NO_PERF_EVENTS is set".to_string()),
             free_slots: Vec::new(),
             next_slot: 0,
         })
@@ -628,6 +749,13 @@ impl SignalSampler {
     /// Starts or stops turning signals into samples.
     pub fn set_enabled(&self, on: bool) {
         ENABLED.store(on, Ordering::Release);
+        if on {
+            // A perf event that fired while sampling was off was not
+            // re-armed by the handler: arm it again.
+            for &(_, fd) in &self.perf_fds {
+                rearm_perf_event_plain(fd);
+            }
+        }
     }
 
     /// Publishes a new code map for walks; the old one is freed once no
@@ -654,7 +782,10 @@ impl SignalSampler {
         }
     }
 
-    /// Starts sampling thread `tid` every `interval_ns` of its CPU time.
+    /// Starts sampling thread `tid` every `interval_ns` of its CPU time: by a
+    /// perf event where the kernel allows one (exact CPU time, dithered
+    /// periods), else by a POSIX CPU-time timer (which the kernel checks only
+    /// at its scheduler tick, so samples fall on tick boundaries).
     pub fn add_thread(&mut self, tid: u32, interval_ns: u64) -> std::io::Result<SlotId> {
         let index = match self.free_slots.pop() {
             Some(i) => i,
@@ -664,15 +795,60 @@ impl SignalSampler {
             }
             None => return Err(std::io::Error::other("too many threads")),
         };
+        let perf_fd = if self.perf_usable { open_perf_event(tid) } else { Err(std::io::Error::other("off")) };
+        let perf_fd = match perf_fd {
+            Ok(fd) if (fd as usize) < MAX_PERF_FD => fd,
+            Ok(fd) => {
+                // SAFETY: our own fd.
+                unsafe { libc::close(fd) };
+                -1
+            }
+            Err(e) => {
+                if self.perf_usable && e.raw_os_error() != Some(libc::ESRCH) {
+                    // Not permitted here (perf_event_paranoid, seccomp): use
+                    // timers from now on.
+                    self.perf_usable = false;
+                    self.perf_refusal = Some(e.to_string());
+                }
+                -1
+            }
+        };
+        let seed = (u64::from(tid) << 32 | index as u64) ^ 0x9e37_79b9_7f4a_7c15;
         let slot = Box::new(ThreadSlot {
             tid,
-            walking: UnsafeCell::new(Walking { cache: WalkCache::new(), frames: [0; MAX_FRAMES] }),
+            perf_fd,
+            interval_ns: AtomicU64::new(interval_ns),
+            walking: UnsafeCell::new(Walking {
+                cache: WalkCache::new(),
+                frames: [0; MAX_FRAMES],
+                period_ns: interval_ns,
+                rng: seed | 1,
+            }),
             ring: Ring::new(),
             samples: AtomicU64::new(0),
             dropped_full: AtomicU64::new(0),
             unknown_stack: AtomicU64::new(0),
         });
         SLOTS[index].store(Box::into_raw(slot), Ordering::Release);
+        if perf_fd >= 0 {
+            PERF_FDS[perf_fd as usize].store(index as u32 + 1, Ordering::Release);
+            match start_perf_event(perf_fd, tid, interval_ns) {
+                Ok(()) => {
+                    self.perf_fds.push((index, perf_fd));
+                    return Ok(SlotId(index));
+                }
+                Err(e) => {
+                    PERF_FDS[perf_fd as usize].store(0, Ordering::Release);
+                    // SAFETY: our own fd; nothing was started on it.
+                    unsafe { libc::close(perf_fd) };
+                    let p = SLOTS[index].swap(null_mut(), Ordering::SeqCst);
+                    // SAFETY: no event fired for this slot.
+                    drop(unsafe { Box::from_raw(p) });
+                    self.free_slots.push(index);
+                    return Err(e);
+                }
+            }
+        }
         match create_cpu_timer(tid, index, interval_ns) {
             Ok(timer) => {
                 self.timers.push((index, timer));
@@ -704,6 +880,12 @@ impl SignalSampler {
             let (_, timer) = self.timers.swap_remove(pos);
             delete_timer(timer);
         }
+        if let Some(pos) = self.perf_fds.iter().position(|&(i, _)| i == id.0) {
+            let (_, fd) = self.perf_fds.swap_remove(pos);
+            PERF_FDS[fd as usize].store(0, Ordering::Release);
+            // SAFETY: our own fd.
+            unsafe { libc::close(fd) };
+        }
         let p = SLOTS[id.0].swap(null_mut(), Ordering::SeqCst);
         if !p.is_null() {
             // SAFETY: the thread has exited, so no handler runs on it; only
@@ -713,11 +895,23 @@ impl SignalSampler {
         }
     }
 
-    /// Changes every timer's interval.
+    /// Changes every thread's interval.
     pub fn set_interval(&self, interval_ns: u64) {
         for &(_, timer) in &self.timers {
             let _ = arm_timer(timer, interval_ns);
         }
+        for slot in SLOTS.iter().take(self.next_slot) {
+            // SAFETY: slots are freed only with `&mut self`.
+            if let Some(s) = unsafe { slot.load(Ordering::Acquire).as_ref() } {
+                s.interval_ns.store(interval_ns, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// How many threads perf events sample, and why perf events are not
+    /// used (if they are not).
+    pub fn perf_status(&self) -> (usize, usize, Option<&str>) {
+        (self.perf_fds.len(), self.timers.len(), self.perf_refusal.as_deref())
     }
 
     /// Takes the handler out of the process: no timer, no pending signal, no
@@ -728,6 +922,11 @@ impl SignalSampler {
         ENABLED.store(false, Ordering::SeqCst);
         for (_, timer) in std::mem::take(&mut self.timers) {
             delete_timer(timer);
+        }
+        for (_, fd) in std::mem::take(&mut self.perf_fds) {
+            PERF_FDS[fd as usize].store(0, Ordering::Release);
+            // SAFETY: our own fd; closing it ends the event.
+            unsafe { libc::close(fd) };
         }
         // SAFETY: zeroed sigaction with SIG_IGN: setting a pending signal to
         // be ignored discards it on every thread (POSIX, and Linux does so).
@@ -817,6 +1016,118 @@ fn arm_timer(id: i32, interval_ns: u64) -> std::io::Result<()> {
     Ok(())
 }
 
+/// `struct perf_event_attr`, the first 64 bytes (`PERF_ATTR_SIZE_VER0`):
+/// all corsnap sets.
+#[repr(C)]
+struct PerfEventAttr {
+    kind: u32,
+    size: u32,
+    config: u64,
+    sample_period: u64,
+    sample_type: u64,
+    read_format: u64,
+    flags: u64,
+    wakeup_events: u32,
+    bp_type: u32,
+    config1: u64,
+}
+const _: () = assert!(std::mem::size_of::<PerfEventAttr>() == 64);
+const SYS_PERF_EVENT_OPEN: libc::c_long = 298;
+const PERF_TYPE_SOFTWARE: u32 = 1;
+const PERF_COUNT_SW_TASK_CLOCK: u64 = 1;
+const PERF_FLAG_FD_CLOEXEC: libc::c_ulong = 8;
+const ATTR_DISABLED: u64 = 1;
+const ATTR_EXCLUDE_KERNEL: u64 = 1 << 5;
+const ATTR_EXCLUDE_HV: u64 = 1 << 6;
+const PERF_EVENT_IOC_REFRESH: libc::c_ulong = 0x2402;
+const PERF_EVENT_IOC_PERIOD: libc::c_ulong = 0x4008_2404;
+const F_SETSIG: c_int = 10;
+const F_SETOWN_EX: c_int = 15;
+const F_OWNER_TID: c_int = 0;
+
+/// A task-clock perf event on thread `tid` (its CPU time, measured with a
+/// high-resolution timer). Kernel time counts too where the kernel lets an
+/// unprivileged process measure it; else only user time does.
+fn open_perf_event(tid: u32) -> std::io::Result<i32> {
+    let mut attr = PerfEventAttr {
+        kind: PERF_TYPE_SOFTWARE,
+        size: 64,
+        config: PERF_COUNT_SW_TASK_CLOCK,
+        sample_period: 10_000_000,
+        sample_type: 0,
+        read_format: 0,
+        flags: ATTR_DISABLED | ATTR_EXCLUDE_HV,
+        wakeup_events: 1,
+        bp_type: 0,
+        config1: 0,
+    };
+    for attempt in 0..2 {
+        // SAFETY: a valid attr of the size it states; pid = tid, any CPU.
+        let fd = unsafe {
+            libc::syscall(
+                SYS_PERF_EVENT_OPEN,
+                &attr as *const PerfEventAttr,
+                tid as c_int,
+                -1,
+                -1,
+                PERF_FLAG_FD_CLOEXEC,
+            )
+        };
+        if fd >= 0 {
+            return Ok(fd as i32);
+        }
+        let e = std::io::Error::last_os_error();
+        if attempt == 0 && matches!(e.raw_os_error(), Some(libc::EACCES) | Some(libc::EPERM)) {
+            attr.flags |= ATTR_EXCLUDE_KERNEL;
+            continue;
+        }
+        return Err(e);
+    }
+    Err(std::io::Error::from_raw_os_error(libc::EACCES))
+}
+
+/// Makes the event's overflows signal thread `tid` with `SAMPLE_SIGNAL`
+/// (carrying the fd), and starts it for one period.
+fn start_perf_event(fd: i32, tid: u32, period_ns: u64) -> std::io::Result<()> {
+    #[repr(C)]
+    struct FOwnerEx {
+        kind: c_int,
+        pid: c_int,
+    }
+    let owner = FOwnerEx { kind: F_OWNER_TID, pid: tid as c_int };
+    // SAFETY: fcntl and ioctl on our own fd with valid arguments.
+    unsafe {
+        if libc::fcntl(fd, F_SETOWN_EX, &owner as *const FOwnerEx) != 0
+            || libc::fcntl(fd, F_SETSIG, SAMPLE_SIGNAL) != 0
+            || libc::fcntl(fd, libc::F_SETFL, libc::O_ASYNC) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+        let period = period_ns;
+        if libc::ioctl(fd, PERF_EVENT_IOC_PERIOD, &period as *const u64) != 0
+            || libc::ioctl(fd, PERF_EVENT_IOC_REFRESH, 1) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// From the handler: the next period, and one more overflow allowed. Two
+/// system calls on our own fd; no lock, no allocation.
+fn rearm_perf_event(fd: i32, period_ns: u64) {
+    // SAFETY: ioctl on an fd this slot owns, with a valid pointer.
+    unsafe {
+        libc::ioctl(fd, PERF_EVENT_IOC_PERIOD, &period_ns as *const u64);
+        libc::ioctl(fd, PERF_EVENT_IOC_REFRESH, 1);
+    }
+}
+
+fn rearm_perf_event_plain(fd: i32) {
+    // SAFETY: ioctl on our own fd.
+    unsafe { libc::ioctl(fd, PERF_EVENT_IOC_REFRESH, 1) };
+}
+
 fn delete_timer(id: i32) {
     // SAFETY: deleting a timer id we created; errors are harmless.
     unsafe { libc::syscall(libc::SYS_timer_delete, id) };
@@ -882,11 +1193,17 @@ mod tests {
             sampler
                 .slot(slot)
                 .unwrap()
-                .drain(&mut scratch, |s| samples.push((s.flags, s.intervals, s.frames.to_vec())));
+                .drain(&mut scratch, |s| samples.push((s.flags, s.weight_ns, s.frames.to_vec())));
         }
         stop.store(true, Ordering::SeqCst);
         worker.join().unwrap();
         assert!(samples.len() >= 50, "only {} samples", samples.len());
+        let (perf, timers, refusal) = sampler.perf_status();
+        eprintln!("sampled by perf events: {perf}, by timers: {timers} ({refusal:?})");
+        // Weights are CPU nanoseconds: around the 1 ms interval (perf events),
+        // or whole scheduler ticks of it (timers, checked only at a tick).
+        let mean = samples.iter().map(|s| s.1).sum::<u64>() / samples.len() as u64;
+        assert!((400_000..=5_000_000).contains(&mean), "mean weight {mean} ns");
         let middle = spin_middle as fn(&AtomicBool) -> u64 as usize as u64;
         let in_middle = |f: &u64| (middle..middle + 512).contains(&address_of(*f));
         let complete = samples.iter().filter(|(fl, _, _)| fl & flags::COMPLETE != 0).count();

@@ -230,7 +230,7 @@ pub fn ready_to_run_image(base: u64) -> Option<ManagedCode> {
     let (rva, size) = table.chunks_exact(12).find_map(|s| {
         (u32_at(s, 0)? == R2R_RUNTIME_FUNCTIONS).then(|| Some((u32_at(s, 4)?, u32_at(s, 8)?))).flatten()
     })?;
-    if size as usize % RUNTIME_FUNCTION_SIZE != 0 || size > 64 * 1024 * 1024 {
+    if !(size as usize).is_multiple_of(RUNTIME_FUNCTION_SIZE) || size > 64 * 1024 * 1024 {
         return None;
     }
     let functions = read_own_bytes(base + u64::from(rva), size as usize)?;

@@ -43,6 +43,9 @@ const STATS_EVERY: Duration = Duration::from_secs(1);
 /// How often the signal engine's buffers are drained (and new threads
 /// looked for, when the runtime announced some).
 const SIGNAL_DRAIN_EVERY: Duration = Duration::from_millis(10);
+/// A thread the runtime has not claimed this long after its first sample is
+/// named by the kernel's name for it.
+const THREAD_NAME_SETTLE: Duration = Duration::from_millis(200);
 /// Samples are sent in batches: a send per tick would wake the CLI (and
 /// take a CPU from the program) up to a thousand times a second.
 const SEND_EVERY: Duration = Duration::from_millis(50);
@@ -324,6 +327,8 @@ struct SamplerLoop {
     signal: Option<SignalEngine>,
     signal_samples: Vec<crate::signal_engine::Sample>,
     signal_rate: u32,
+    /// When each OS thread was first sampled, and the name last sent for it.
+    signal_threads: HashMap<u32, (Instant, Option<String>)>,
 }
 
 impl SamplerLoop {
@@ -372,6 +377,7 @@ impl SamplerLoop {
             signal,
             signal_samples: Vec::new(),
             signal_rate,
+            signal_threads: HashMap::new(),
         }
     }
 
@@ -673,35 +679,32 @@ impl SamplerLoop {
         if samples.is_empty() {
             return false;
         }
-        // Managed threads go by their ThreadID (as events do), the others by
-        // their OS thread id.
-        let managed = self.shared.threads.by_os_tid();
-        let mut seen: Vec<(ThreadID, u32)> = Vec::new();
-        let mut native: Vec<u32> = Vec::new();
-        for s in &samples {
-            match managed.get(&s.os_tid) {
-                Some(&t) => seen.push((t, s.os_tid)),
-                None => native.push(s.os_tid),
-            }
-        }
-        seen.sort_unstable();
-        seen.dedup();
-        self.describe_threads(&seen);
-        native.sort_unstable();
-        native.dedup();
-        for tid in native {
-            let key = corsnap_wire::NATIVE_THREAD_BIT | u64::from(tid);
-            if !self.sent_threads.contains_key(&(key as ThreadID)) {
-                self.sent_threads.insert(key as ThreadID, (0, tid));
-                let name = os_thread_name(tid).unwrap_or_default();
+        // Every thread goes by its OS thread id here: a managed thread can
+        // be sampled before the runtime has told us which OS thread it is.
+        // Its name is the one the program gave it; a thread the runtime does
+        // not manage is named by the kernel (`.NET Server GC`, `.NET Tiered
+        // Com`), once it has stayed unmanaged past its start. A name first
+        // sent empty is filled in place later, so early samples keep it.
+        let names = self.shared.threads.names_by_os_tid();
+        let now = Instant::now();
+        let mut tids: Vec<u32> = samples.iter().map(|s| s.os_tid).collect();
+        tids.sort_unstable();
+        tids.dedup();
+        for tid in tids {
+            let entry = self.signal_threads.entry(tid).or_insert_with(|| (now, None));
+            let name = match names.get(&tid) {
+                Some(name) => name.clone(),
+                None if now.duration_since(entry.0) >= THREAD_NAME_SETTLE => os_thread_name(tid).unwrap_or_default(),
+                None => String::new(),
+            };
+            if entry.1.as_ref() != Some(&name) && !(name.is_empty() && entry.1.is_some()) {
+                entry.1 = Some(name.clone());
+                let key = corsnap_wire::NATIVE_THREAD_BIT | u64::from(tid);
                 self.channel.queue(&Message::Thread { thread_id: key, os_tid: tid, name });
             }
         }
         for s in &samples {
-            let thread_id = match managed.get(&s.os_tid) {
-                Some(&t) => t as u64,
-                None => corsnap_wire::NATIVE_THREAD_BIT | u64::from(s.os_tid),
-            };
+            let thread_id = corsnap_wire::NATIVE_THREAD_BIT | u64::from(s.os_tid);
             let head = SampleHead {
                 time_ns: s.time_ns,
                 thread_id,

@@ -63,6 +63,16 @@ pub enum FrameName {
     Native { key: u64, name: String, module: String },
 }
 
+/// A drained sample, owned.
+struct RawOwned {
+    weight_ns: u64,
+    time_ns: u64,
+    handler_ns: u64,
+    flags: u32,
+    frames: Vec<u64>,
+    stack: Option<(corsnap_unwind::Regs, Vec<u64>)>,
+}
+
 /// A thread being sampled.
 #[derive(Debug)]
 struct Sampled {
@@ -105,6 +115,9 @@ pub struct SignalEngine {
     handler_next: usize,
     /// Samples of threads that exited, drained before their slots went.
     leftovers: Vec<Sample>,
+    rewalk_cache: corsnap_unwind::WalkCache,
+    /// Samples walked again from their stack copy.
+    pub rewalked: u64,
     pub samples: u64,
     pub incomplete: u64,
     pub unknown_code: u64,
@@ -159,6 +172,8 @@ impl SignalEngine {
             handler_times: Vec::with_capacity(4096),
             handler_next: 0,
             leftovers: Vec::new(),
+            rewalk_cache: corsnap_unwind::WalkCache::new(),
+            rewalked: 0,
             samples: 0,
             incomplete: 0,
             unknown_code: 0,
@@ -257,23 +272,84 @@ impl SignalEngine {
                 log::write(format_args!("signal handlers still running after 2 s; their buffers are left allocated"));
             }
             let c = signal::counters();
-            log::write(format_args!("signal engine stopped: {} samples; {c:?}", self.samples));
+            log::write(format_args!(
+                "signal engine stopped: {} samples ({} walked again from their stack copy); {} JIT bodies and {} \
+                 images learned; {c:?}",
+                self.samples, self.rewalked, self.learner.jit_bodies_learned, self.learner.images_learned
+            ));
         }
     }
 
     fn drain_all(&mut self, sampler: &SignalSampler, out: &mut Vec<Sample>) {
         let slots: Vec<(u32, SlotId)> = self.threads.iter().map(|(&tid, t)| (tid, t.slot)).collect();
         for (tid, slot) in slots {
-            let mut raw: Vec<(u64, u64, u64, u32, Vec<u64>)> = Vec::new();
+            let mut raw: Vec<RawOwned> = Vec::new();
             if let Some(slot) = sampler.slot(slot) {
                 slot.drain(&mut self.scratch, |s| {
-                    raw.push((s.intervals, s.time_ns, s.handler_ns, s.flags, s.frames.to_vec()))
+                    raw.push(RawOwned {
+                        weight_ns: s.weight_ns,
+                        time_ns: s.time_ns,
+                        handler_ns: s.handler_ns,
+                        flags: s.flags,
+                        frames: s.frames.to_vec(),
+                        stack: s.stack.map(|c| (c.regs, c.words.to_vec())),
+                    })
                 });
             }
-            for (intervals, time_ns, handler_ns, walk_flags, frames) in raw {
-                if let Some(sample) = self.resolve(tid, intervals, time_ns, handler_ns, walk_flags, &frames) {
+            for mut r in raw {
+                if let Some((regs, words)) = r.stack.take() {
+                    self.walk_again(&mut r, regs, &words);
+                }
+                if let Some(sample) = self.resolve(tid, r.weight_ns, r.time_ns, r.handler_ns, r.flags, &r.frames) {
                     out.push(sample);
                 }
+            }
+        }
+    }
+
+    /// A sample whose walk met code not known yet: learn that code, and walk
+    /// the sample's copy of its stack again with what was learned, until
+    /// nothing new turns up.
+    fn walk_again(&mut self, raw: &mut RawOwned, regs: corsnap_unwind::Regs, words: &[u64]) {
+        // The walk stepped over code the handler's map did not know; it may
+        // be known by now (learned from an earlier sample), or be learned
+        // from this one's addresses.
+        for round in 0..8 {
+            let mut learned = false;
+            for &frame in &raw.frames {
+                let addr = lookup_address(frame);
+                if self.map.is_code(addr)
+                    || self.not_managed.contains(&addr)
+                    || self.managed.iter().any(|m| m.code.contains(&addr))
+                {
+                    continue;
+                }
+                match self.learner.learn(addr) {
+                    Learned::Code(code) => {
+                        self.add_managed(code);
+                        learned = true;
+                    }
+                    Learned::FunctionOnly(_) => {}
+                    Learned::NotManaged => {
+                        self.not_managed.insert(addr);
+                    }
+                }
+            }
+            if round > 0 && !learned {
+                break;
+            }
+            if self.map_dirty || learned {
+                self.publish();
+            }
+            let copy = signal::StackCopy { regs, words };
+            let mut out = vec![0u64; signal::MAX_FRAMES];
+            let walk = signal::rewalk(&self.map, &copy, &mut self.rewalk_cache, &mut out);
+            out.truncate(walk.len);
+            raw.frames = out;
+            raw.flags = walk.flags;
+            self.rewalked += 1;
+            if walk.flags & flags::UNKNOWN_CODE == 0 {
+                break;
             }
         }
     }
@@ -312,7 +388,7 @@ impl SignalEngine {
             self.truncated += 1;
         }
         let mut frames = Vec::with_capacity(raw.len() + 1);
-        if self.debug_walks && self.samples % 50 == 0 {
+        if self.debug_walks && (self.samples.is_multiple_of(50) || walk_flags & flags::UNKNOWN_CODE != 0) {
             let desc: Vec<String> = raw
                 .iter()
                 .map(|&f| {
@@ -349,7 +425,7 @@ impl SignalEngine {
         Some(Sample {
             os_tid: tid,
             time_ns: time_ns.saturating_sub(self.mono_epoch_ns),
-            weight: intervals.max(1) * self.interval_ns,
+            weight: intervals,
             frames,
             truncated,
         })
@@ -543,10 +619,15 @@ impl SignalEngine {
         let map = CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn, [0, 0]);
         self.managed = map.managed().to_vec();
         self.map = Arc::new(map);
-        if let Some(s) = self.sampler.as_mut() {
-            s.publish(self.map.clone());
+        // While draining, the sampler is out of its place: the handler gets
+        // the map at the end of the round.
+        match self.sampler.as_mut() {
+            Some(s) => {
+                s.publish(self.map.clone());
+                self.map_dirty = false;
+            }
+            None => self.map_dirty = true,
         }
-        self.map_dirty = false;
     }
 }
 

@@ -55,10 +55,11 @@ impl ThreadRegistry {
 
     /// Calls `f` with each requested thread's entry (if known) under one
     /// short lock.
-    /// Which managed thread each OS thread is, now.
-    pub fn by_os_tid(&self) -> HashMap<u32, ThreadID> {
+    /// The name of each OS thread that is a managed thread now (empty if
+    /// the program never named it).
+    pub fn names_by_os_tid(&self) -> HashMap<u32, String> {
         let entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-        entries.iter().filter(|(_, e)| e.os_tid != 0).map(|(&t, e)| (e.os_tid, t)).collect()
+        entries.values().filter(|e| e.os_tid != 0).map(|e| (e.os_tid, e.name.clone())).collect()
     }
 
     pub fn with_entries(

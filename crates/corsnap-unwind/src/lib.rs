@@ -543,7 +543,7 @@ fn unknown_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool) -> S
 }
 
 fn frame_pointer_step<M: Memory>(mem: &M, regs: Regs) -> Step {
-    if regs.bp < regs.sp || regs.bp % 8 != 0 {
+    if regs.bp < regs.sp || !regs.bp.is_multiple_of(8) {
         return Step::Lost;
     }
     match (mem.stack_word(regs.bp), mem.stack_word(regs.bp + 8)) {

@@ -1001,10 +1001,15 @@ mod tests {
             events: 5,
             max_pause_ppm: 35_000,
             log: Some("/tmp/a.log".into()),
+            sampler: SamplerKind::Signal,
         };
-        assert_eq!(AttachRequest::decode(&req.encode()), Some(req));
+        assert_eq!(AttachRequest::decode(&req.encode()), Some(req.clone()));
+        let suspend = AttachRequest { sampler: SamplerKind::Suspend, ..req };
+        assert_eq!(AttachRequest::decode(&suspend.encode()), Some(suspend));
         let without_pause = AttachRequest::decode(b"corsnap-attach-v1\nsocket=/s\nrate=5\nevents=1\n").unwrap();
         assert_eq!(without_pause.max_pause_ppm, DEFAULT_MAX_PAUSE_PPM);
+        assert_eq!(without_pause.sampler, SamplerKind::Suspend, "an older CLI's request means the suspend engine");
+        assert_eq!(AttachRequest::decode(b"corsnap-attach-v1\nsocket=/s\nrate=5\nevents=1\nsampler=x\n"), None);
         assert_eq!(AttachRequest::decode(b"attach1;detach"), None);
         assert_eq!(AttachRequest::decode(b"corsnap-attach-v1\nrate=x\nsocket=/s\n"), None);
         assert_eq!(AttachRequest::decode(b"corsnap-attach-v1\nrate=5\n"), None);

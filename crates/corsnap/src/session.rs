@@ -25,8 +25,10 @@ pub struct Listener {
     listener: UnixListener,
 }
 
-/// What the reader thread reports.
+/// What the reader thread reports. Messages dominate, and most are small
+/// samples; boxing the (large, rare) stats message would cost every decode.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
 pub enum Event {
     Message(Message),
     /// The agent closed the connection (cleanly, or with a read error).
