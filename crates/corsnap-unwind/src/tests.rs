@@ -102,7 +102,8 @@ fn chain() -> (CodeMap, Recorded, Regs) {
         managed.push(region);
         code.push(c);
     }
-    let map = CodeMap::new(Vec::new(), managed, vec![STACK_TOP - 0x10000..STACK_TOP], 0, [0, 0]);
+    let stacks = [STACK_TOP - 0x10000..STACK_TOP].to_vec();
+    let map = CodeMap::new(Vec::new(), managed, stacks, 0, [0, 0]);
     let mem = Recorded { stack, stack_range: STACK_TOP - 0x10000..STACK_TOP, code };
     (map, mem, Regs { ip: HOT + 3, sp: sp0 - 88, bp: main_bp })
 }
@@ -214,7 +215,7 @@ fn garbage_never_panics_and_never_reads_outside_the_stack() {
         0 => MAIN + v % 0x30,
         1 => A5 + v % 16,
         2 => HOT + v % 10,
-        3 => STACK_TOP - (v % 0x2000) & !7,
+        3 => (STACK_TOP - (v % 0x2000)) & !7,
         4 => UNKNOWN_STUB,
         _ => v,
     };
