@@ -102,7 +102,7 @@ fn chain() -> (CodeMap, Recorded, Regs) {
         managed.push(region);
         code.push(c);
     }
-    let stacks = [STACK_TOP - 0x10000..STACK_TOP].to_vec();
+    let stacks = vec![Range { start: STACK_TOP - 0x10000, end: STACK_TOP }];
     let map = CodeMap::new(Vec::new(), managed, stacks, 0, [0, 0]);
     let mem = Recorded { stack, stack_range: STACK_TOP - 0x10000..STACK_TOP, code };
     (map, mem, Regs { ip: HOT + 3, sp: sp0 - 88, bp: main_bp })
