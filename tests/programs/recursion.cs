@@ -1,7 +1,7 @@
-// Test program: a stack with exactly 200 Deep.Recurse frames above Main, with
-// the innermost one spinning in Deep.Bottom.
+// Test program: a stack with exactly 200 (or `depth`) Deep.Recurse frames
+// above Main, with the innermost one spinning in Deep.Bottom.
 //
-//   dotnet recursion.dll [seconds=3]
+//   dotnet recursion.dll [seconds=3] [depth=200]
 //
 // Prints "done <checksum>" and exits 0.
 using System;
@@ -11,7 +11,7 @@ using System.Runtime.CompilerServices;
 
 public static class Deep
 {
-    public const int MaxDepth = 200;
+    public static int MaxDepth = 200;
 
     static long s_deadline;
     public static volatile int s_sink;
@@ -48,6 +48,7 @@ public static class Deep
     public static int Main(string[] args)
     {
         double seconds = args.Length > 0 ? double.Parse(args[0], CultureInfo.InvariantCulture) : 3.0;
+        if (args.Length > 1) MaxDepth = int.Parse(args[1], CultureInfo.InvariantCulture);
         s_deadline = Stopwatch.GetTimestamp() + (long)(seconds * Stopwatch.Frequency);
         ulong r = Recurse(1);
         Console.WriteLine("done " + r.ToString(CultureInfo.InvariantCulture));

@@ -56,19 +56,39 @@ pub struct CodeLearner {
     images: HashMap<ModuleID, Option<ManagedCode>>,
     pub jit_bodies_learned: u64,
     pub images_learned: u64,
+    pub stubs_learned: u64,
+}
+
+/// The tag of JIT'd code with no method the profiling API will name (IL
+/// stubs): the walk uses its unwind information, the profile calls it a
+/// stub.
+pub const STUB_TAG: u64 = 1;
+
+/// A body whose header names any method (an IL stub's), near `ip`.
+fn jit_body_any(ip: u64) -> Option<ManagedCode> {
+    jit_body(ip, None, 16 * 1024)
 }
 
 impl CodeLearner {
     pub fn new(info: CorProfilerInfo) -> Self {
-        CodeLearner { info, images: HashMap::new(), jit_bodies_learned: 0, images_learned: 0 }
+        CodeLearner { info, images: HashMap::new(), jit_bodies_learned: 0, images_learned: 0, stubs_learned: 0 }
     }
 
     /// Finds the code containing `ip`.
     pub fn learn(&mut self, ip: u64) -> Learned {
         let Ok(function) = self.info.get_function_from_ip(ip as usize) else {
+            // The runtime names no method here, but it may still be code its
+            // JIT made: an IL stub (marshalling for P/Invoke and callbacks)
+            // has a code header like any method. Without a method to check
+            // the header against, the search is shorter and stricter.
+            if let Some(mut body) = jit_body_any(ip) {
+                self.stubs_learned += 1;
+                body.tag = STUB_TAG;
+                return Learned::Code(body);
+            }
             return Learned::NotManaged;
         };
-        if let Some(body) = jit_body(ip, function as u64) {
+        if let Some(body) = jit_body(ip, Some(function as u64), MAX_BODY_BYTES) {
             self.jit_bodies_learned += 1;
             return Learned::Code(body);
         }
@@ -87,9 +107,10 @@ impl CodeLearner {
     }
 }
 
-/// The JIT'd body containing `ip`, whose header names `method_desc`.
-fn jit_body(ip: u64, method_desc: u64) -> Option<ManagedCode> {
-    let lowest = ip.saturating_sub(MAX_BODY_BYTES);
+/// The JIT'd body containing `ip`, whose header names `method_desc` (or,
+/// with `None`, any method), starting at most `max_bytes` before `ip`.
+fn jit_body(ip: u64, method_desc: Option<u64>, max_bytes: u64) -> Option<ManagedCode> {
+    let lowest = ip.saturating_sub(max_bytes);
     let mut candidate = ip & !15;
     // Read backwards a page at a time and look at each 16-byte-aligned
     // start's preceding 8 bytes.
@@ -116,7 +137,7 @@ fn jit_body(ip: u64, method_desc: u64) -> Option<ManagedCode> {
 
 /// Tries starts from `from` down to `to` (16-aligned) whose header pointer
 /// lies in `bytes` (read at `at`).
-fn scan_block(at: u64, bytes: &[u8], from: u64, to: u64, ip: u64, method_desc: u64) -> Option<ManagedCode> {
+fn scan_block(at: u64, bytes: &[u8], from: u64, to: u64, ip: u64, method_desc: Option<u64>) -> Option<ManagedCode> {
     let mut start = from;
     while start >= to + 8 && start >= at + 8 {
         let offset = (start - 8 - at) as usize;
@@ -133,12 +154,17 @@ fn scan_block(at: u64, bytes: &[u8], from: u64, to: u64, ip: u64, method_desc: u
     None
 }
 
-fn check_header(header: u64, start: u64, ip: u64, method_desc: u64) -> Option<ManagedCode> {
-    if read_own_u64(header + HDR_METHOD_DESC)? != method_desc {
-        return None;
+fn check_header(header: u64, start: u64, ip: u64, method_desc: Option<u64>) -> Option<ManagedCode> {
+    let found = read_own_u64(header + HDR_METHOD_DESC)?;
+    match method_desc {
+        Some(md) if found != md => return None,
+        // Any method: it must at least be a readable pointer.
+        None if found < 0x10000 || found % 8 != 0 || read_own_u64(found).is_none() => return None,
+        _ => {}
     }
     let count = read_own_bytes(header + HDR_COUNT, 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))?;
-    if count == 0 || count > 1024 {
+    let max_count = if method_desc.is_some() { 1024 } else { 16 };
+    if count == 0 || count > max_count {
         return None;
     }
     let raw = read_own_bytes(header + HDR_FUNCTIONS, count as usize * RUNTIME_FUNCTION_SIZE)?;
@@ -175,14 +201,24 @@ fn check_header(header: u64, start: u64, ip: u64, method_desc: u64) -> Option<Ma
         return None;
     }
     let unwind = read_own_bytes(span_start, (span_end - span_start) as usize)?;
+    if method_desc.is_none() && !records.iter().all(|r| plausible_unwind_info(&unwind, (base + u64::from(r[2]) - span_start) as usize)) {
+        return None;
+    }
     let functions: Vec<u8> = records.iter().flat_map(|r| r.iter().flat_map(|w| w.to_le_bytes())).collect();
     Some(ManagedCode {
         code: code_start..code_end,
         base,
         functions: functions.into(),
         unwind: UnwindBytes::Copied { rva: (span_start - base) as u32, bytes: unwind.into() },
-        tag: method_desc,
+        tag: found,
     })
+}
+
+/// Version 1 or 2 `UNWIND_INFO` whose prolog fits its codes.
+fn plausible_unwind_info(bytes: &[u8], at: usize) -> bool {
+    let Some(h) = bytes.get(at..at + 4) else { return false };
+    let version = h[0] & 7;
+    (version == 1 || version == 2) && h[0] >> 3 <= 7
 }
 
 fn u16_at(b: &[u8], at: usize) -> Option<u16> {

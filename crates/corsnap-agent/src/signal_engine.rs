@@ -30,7 +30,7 @@ use corsnap_unwind::process::{native_module, parse_maps, stack_ranges, LoadedElf
 use corsnap_unwind::{flags, lookup_address, CodeMap, ManagedCode, NativeModule};
 use corsnap_wire::{SamplerStats, NATIVE_FRAME_BIT};
 
-use crate::code_learning::{CodeLearner, Learned};
+use crate::code_learning::{CodeLearner, Learned, STUB_TAG};
 use crate::log;
 use crate::symbols::Symbolizer;
 use crate::Shared;
@@ -42,6 +42,7 @@ const CACHE_CAP: usize = 200_000;
 /// Frame ids for what has no name of its own.
 pub const UNKNOWN_CODE_KEY: u64 = NATIVE_FRAME_BIT | 1;
 pub const INCOMPLETE_KEY: u64 = NATIVE_FRAME_BIT | 2;
+pub const STUB_KEY: u64 = NATIVE_FRAME_BIT | 3;
 
 /// One sample, resolved to frame ids.
 #[derive(Debug, Clone)]
@@ -273,9 +274,13 @@ impl SignalEngine {
             }
             let c = signal::counters();
             log::write(format_args!(
-                "signal engine stopped: {} samples ({} walked again from their stack copy); {} JIT bodies and {} \
-                 images learned; {c:?}",
-                self.samples, self.rewalked, self.learner.jit_bodies_learned, self.learner.images_learned
+                "signal engine stopped: {} samples ({} walked again from their stack copy); {} JIT bodies, {} stubs \
+                 and {} images learned; {c:?}",
+                self.samples,
+                self.rewalked,
+                self.learner.jit_bodies_learned,
+                self.learner.stubs_learned,
+                self.learner.images_learned
             ));
         }
     }
@@ -408,7 +413,7 @@ impl SignalEngine {
         for &frame in raw {
             let key = self.frame_id(lookup_address(frame));
             // A run of frames in one unnamed place reads as one frame.
-            if key == UNKNOWN_CODE_KEY && frames.last() == Some(&key) {
+            if (key == UNKNOWN_CODE_KEY || key == STUB_KEY) && frames.last() == Some(&key) {
                 continue;
             }
             frames.push(key);
@@ -449,6 +454,9 @@ impl SignalEngine {
 
     fn identify(&mut self, addr: u64) -> u64 {
         if let Some(region) = self.map.managed_at(addr) {
+            if region.tag == STUB_TAG {
+                return self.stub();
+            }
             if region.tag != 0 {
                 return self.managed(region.tag as FunctionID);
             }
@@ -473,6 +481,7 @@ impl SignalEngine {
         if let Some(code) = self.managed.iter().rev().find(|m| m.code.contains(&addr)) {
             let tag = code.tag;
             return match tag {
+                STUB_TAG => self.stub(),
                 0 => match self.shared.info.get_function_from_ip(addr as usize) {
                     Ok(f) => self.managed(f),
                     Err(_) => self.unknown_code(),
@@ -485,6 +494,7 @@ impl SignalEngine {
                 let tag = code.tag;
                 self.add_managed(code);
                 match tag {
+                    STUB_TAG => self.stub(),
                     0 => match self.shared.info.get_function_from_ip(addr as usize) {
                         Ok(f) => self.managed(f),
                         Err(_) => self.unknown_code(),
@@ -506,6 +516,11 @@ impl SignalEngine {
     fn managed(&mut self, function: FunctionID) -> u64 {
         self.note_name(FrameName::Managed(function));
         function as u64
+    }
+
+    fn stub(&mut self) -> u64 {
+        self.note_name(FrameName::Native { key: STUB_KEY, name: "[runtime stub]".into(), module: String::new() });
+        STUB_KEY
     }
 
     fn unknown_code(&mut self) -> u64 {

@@ -7,12 +7,13 @@ use std::process::Command;
 
 use support::{count_with, describe, parse_collapsed, record, record_collapsed, record_with_env, scratch, Runtime};
 
-fn share_of_heavy(runtime: Runtime) {
+fn share_of_heavy(runtime: Runtime, sampler: &str) {
     // 400 Hz: at 100 Hz the 300 samples of a 3 s run leave a standard error
     // of 2.5 points, and 75 ± 5 failed about one run in ten (69-81% seen).
     // No pause budget: on a loaded machine (the suite runs two programs at
     // once on 2 CPUs) most ticks are slow and it would thin the profile out.
-    let (stacks, _) = record_collapsed(runtime, "split", "3", &["-r", "400", "--max-pause", "100"]);
+    let (stacks, _) =
+        record_collapsed(runtime, "split", "3", &["-r", "400", "--max-pause", "100", "--sampler", sampler]);
     let heavy = count_with(&stacks, "Split.Heavy") as f64;
     let light = count_with(&stacks, "Split.Light") as f64;
     // Collapsed cpu values are CPU nanoseconds: most of the 3 s is there.
@@ -24,23 +25,31 @@ fn share_of_heavy(runtime: Runtime) {
         describe(&stacks)
     );
     // Every sample of the two methods sits right under Main (with
-    // `Stopwatch.GetTimestamp` above them while it is not yet inlined).
+    // `Stopwatch.GetTimestamp` above them while it is not yet inlined, and,
+    // from the signal engine, the native code it calls).
     for s in &stacks {
-        if let Some(i) = s.frames.iter().position(|f| f == "Split.Heavy" || f == "Split.Light") {
-            assert!(i > 0 && s.frames[i - 1] == "Split.Main", "{:?}", s.frames);
-            assert!(s.frames.len() <= i + 2, "{:?}", s.frames);
+        let managed = support::managed_frames(&s.frames);
+        if let Some(i) = managed.iter().position(|&f| f == "Split.Heavy" || f == "Split.Light") {
+            assert!(i > 0 && managed[i - 1] == "Split.Main", "{:?}", s.frames);
+            assert!(managed.len() <= i + 2, "{:?}", s.frames);
         }
     }
 }
 
 #[test]
 fn time_split_3_to_1_shows_as_75_percent_on_net8() {
-    share_of_heavy(Runtime::Net8);
+    share_of_heavy(Runtime::Net8, "signal");
 }
 
 #[test]
 fn time_split_3_to_1_shows_as_75_percent_on_core31() {
-    share_of_heavy(Runtime::Core31);
+    share_of_heavy(Runtime::Core31, "signal");
+}
+
+#[test]
+fn time_split_3_to_1_shows_as_75_percent_with_the_suspend_engine() {
+    share_of_heavy(Runtime::Net8, "suspend");
+    share_of_heavy(Runtime::Core31, "suspend");
 }
 
 #[test]
@@ -105,8 +114,8 @@ fn generic_and_nested_names_render_csharp_style() {
 }
 
 #[test]
-fn a_native_qsort_between_callback_and_caller_shows_as_native_code() {
-    let (stacks, _) = record_collapsed(Runtime::Net8, "qsort", "2", &[]);
+fn a_native_qsort_between_callback_and_caller_shows_as_native_code_with_the_suspend_engine() {
+    let (stacks, _) = record_collapsed(Runtime::Net8, "qsort", "2", &["--sampler", "suspend"]);
     let through_qsort = stacks
         .iter()
         .filter(|s| s.frames.windows(3).any(|w| w == ["NativeSort.SortOnce", "[native code]", "NativeSort.Compare"]))
@@ -177,7 +186,7 @@ fn the_pause_budget_is_counted_and_can_be_lifted() {
         Runtime::Net8,
         "split",
         &["1"],
-        &["--stats", "--max-pause", "100", "-f", "collapsed", "-o", out.to_str().unwrap()],
+        &["--sampler", "suspend", "--stats", "--max-pause", "100", "-f", "collapsed", "-o", out.to_str().unwrap()],
         None,
     );
     let stderr = String::from_utf8_lossy(&lifted.stderr);
@@ -471,7 +480,8 @@ fn benchmark_floor_switches_do_the_runtimes_part_and_record_nothing() {
         assert!(output.status.success(), "{stderr}");
         stderr
     };
-    let suspend_only = run("split", &["1"], ("CORSNAP_BENCH_SUSPEND_ONLY", "1"), &["--max-pause", "100"]);
+    let suspend_only =
+        run("split", &["1"], ("CORSNAP_BENCH_SUSPEND_ONLY", "1"), &["--sampler", "suspend", "--max-pause", "100"]);
     let ticks: u64 = suspend_only
         .split("agent: ")
         .nth(1)

@@ -167,6 +167,17 @@ pub fn record_collapsed(runtime: Runtime, program: &str, seconds: &str, extra: &
     (parse_collapsed(&text), output)
 }
 
+/// Whether a frame is native code (`libc.so.6!qsort`, `libcoreclr.so+0x1a2b`,
+/// `[native code]`, `[runtime stub]`) rather than a managed method.
+pub fn is_native(frame: &str) -> bool {
+    frame.contains('!') || frame.contains("+0x") || frame.starts_with('[')
+}
+
+/// The managed frames of a stack, in order.
+pub fn managed_frames(frames: &[String]) -> Vec<&str> {
+    frames.iter().map(String::as_str).filter(|f| !is_native(f)).collect()
+}
+
 /// Total count of stacks whose frames contain `frame`.
 pub fn count_with(stacks: &[Stack], frame: &str) -> u64 {
     stacks.iter().filter(|s| s.frames.iter().any(|f| f == frame)).map(|s| s.count).sum()

@@ -1,0 +1,231 @@
+//! The `signal` engine end to end under the real runtimes: proportions the
+//! programs measure themselves, complete stacks through frameless Tier1
+//! code, OSR frames and libc, runtime threads by name, and blocked threads
+//! left alone.
+
+mod support;
+
+use std::collections::HashMap;
+
+use support::{describe, managed_frames, parse_collapsed, record_with_env, scratch, Runtime, Stack};
+
+/// Records `program` with `args` and `env`; the collapsed stacks and the
+/// program's stdout.
+fn run(runtime: Runtime, program: &str, program_args: &[&str], args: &[&str], env: &[(&str, &str)]) -> (Vec<Stack>, String) {
+    let tag = format!("{program}-{runtime:?}-{}-{}", args.join("_"), env.iter().map(|e| e.0).collect::<Vec<_>>().join("_"))
+        .replace(['-', '/', '.', '='], "");
+    let dir = scratch(&format!("signal-{tag}"));
+    let out = dir.join("out.txt");
+    let mut all = vec!["-f", "collapsed", "-o", out.to_str().unwrap()];
+    all.extend_from_slice(args);
+    let output = record_with_env(runtime, program, program_args, &all, env, None);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "corsnap record failed: {:?}\nstderr:\n{stderr}", output.status);
+    let text = std::fs::read_to_string(&out).unwrap_or_else(|e| panic!("no output ({e}); stderr:\n{stderr}"));
+    (parse_collapsed(&text), String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// Share of the weight of stacks containing each of `methods`.
+fn shares(stacks: &[Stack], methods: &[&str]) -> HashMap<String, f64> {
+    let weight = |m: &str| stacks.iter().filter(|s| s.frames.iter().any(|f| f == m)).map(|s| s.count).sum::<u64>();
+    let total: u64 = methods.iter().map(|m| weight(m)).sum();
+    methods.iter().map(|m| (m.to_string(), weight(m) as f64 / total.max(1) as f64)).collect()
+}
+
+/// `share trig=0.5970 build=0.2513 parse=0.1517` from the program.
+fn measured_shares(stdout: &str) -> HashMap<String, f64> {
+    let line = stdout.lines().find(|l| l.starts_with("share ")).unwrap_or_else(|| panic!("no share line:\n{stdout}"));
+    line.split_whitespace()
+        .skip(1)
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').unwrap();
+            (k.to_string(), v.parse().unwrap())
+        })
+        .collect()
+}
+
+fn phases(runtime: Runtime) {
+    let methods = ["Phases.Trig", "Phases.Build", "Phases.Parse"];
+    // 400 Hz: 1200 samples, a standard error under 1.5 points per share.
+    let (stacks, stdout) = run(runtime, "phases", &["3"], &["-r", "400"], &[]);
+    let truth = measured_shares(&stdout);
+    let shown = shares(&stacks, &methods);
+    // What the suspend engine shows for the same program, kept visible.
+    let (suspend_stacks, suspend_stdout) = run(runtime, "phases", &["3"], &["-r", "400", "--sampler", "suspend"], &[]);
+    let suspend_truth = measured_shares(&suspend_stdout);
+    let suspend_shown = shares(&suspend_stacks, &methods);
+    let report = methods
+        .iter()
+        .map(|m| {
+            let key = m.trim_start_matches("Phases.").to_lowercase();
+            format!(
+                "{m}: measured {:.1}%, signal {:.1}% | suspend run: measured {:.1}%, shown {:.1}%",
+                truth[&key] * 100.0,
+                shown[*m] * 100.0,
+                suspend_truth[&key] * 100.0,
+                suspend_shown[*m] * 100.0
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    eprintln!("{runtime:?}:\n{report}");
+    for m in methods {
+        let key = m.trim_start_matches("Phases.").to_lowercase();
+        let diff = (shown[m] - truth[&key]).abs() * 100.0;
+        assert!(diff <= 5.0, "{m} is off by {diff:.1} points under signal:\n{report}\n{}", describe(&stacks));
+    }
+}
+
+#[test]
+fn phases_the_program_measures_show_within_5_points_on_net8() {
+    phases(Runtime::Net8);
+}
+
+#[test]
+fn phases_the_program_measures_show_within_5_points_on_core31() {
+    phases(Runtime::Core31);
+}
+
+#[test]
+fn a_qsort_comparer_holds_its_thread_with_libc_frames_named_between_it_and_its_caller() {
+    let (stacks, _) = run(Runtime::Net8, "qsort", &["2"], &["--threads"], &[]);
+    // The main thread's samples: the first frame is its label.
+    let main = stacks.iter().filter(|s| s.frames.iter().any(|f| f == "NativeSort.Main")).collect::<Vec<_>>();
+    let total: u64 = main.iter().map(|s| s.count).sum();
+    let in_compare: u64 = main.iter().filter(|s| s.frames.iter().any(|f| f == "NativeSort.Compare")).map(|s| s.count).sum();
+    let owned: Vec<Stack> = main.iter().map(|s| (*s).clone()).collect();
+    assert!(in_compare * 100 >= total * 90, "Compare has {in_compare} of {total} ns:\n{}", describe(&owned));
+    // Between SortOnce and Compare: libc's qsort by name, nothing managed.
+    for s in main.iter().filter(|s| s.frames.iter().any(|f| f == "NativeSort.Compare")) {
+        let sort = s.frames.iter().position(|f| f == "NativeSort.SortOnce").expect("SortOnce under Compare");
+        let compare = s.frames.iter().position(|f| f == "NativeSort.Compare").unwrap();
+        let between = &s.frames[sort + 1..compare];
+        assert!(between.iter().any(|f| f.starts_with("libc.so.6!") && f.contains("qsort")), "{:?}", s.frames);
+        assert!(between.iter().all(|f| support::is_native(f)), "{:?}", s.frames);
+    }
+}
+
+/// The managed frames of every sample whose leaf (managed) method is `leaf`.
+fn chains_ending_in<'a>(stacks: &'a [Stack], leaf: &str) -> Vec<(Vec<&'a str>, u64)> {
+    stacks
+        .iter()
+        .filter_map(|s| {
+            let managed = managed_frames(&s.frames);
+            (managed.last() == Some(&leaf)).then_some((managed, s.count))
+        })
+        .collect()
+}
+
+fn assert_complete(stacks: &[Stack], leaf: &str, expected: &[&str], what: &str) {
+    let chains = chains_ending_in(stacks, leaf);
+    let total: u64 = chains.iter().map(|c| c.1).sum();
+    let complete: u64 = chains.iter().filter(|c| c.0 == expected).map(|c| c.1).sum();
+    assert!(total > 0, "{what}: no sample in {leaf}:\n{}", describe(stacks));
+    assert!(
+        complete * 100 >= total * 99,
+        "{what}: {:.2}% of {leaf}'s weight has the whole chain {expected:?}:\n{}",
+        complete as f64 * 100.0 / total as f64,
+        describe(stacks)
+    );
+}
+
+const HOT_CHAIN: [&str; 8] =
+    ["Chain.Main", "Chain.Run", "Chain.L1", "Chain.L2", "Chain.L3", "Chain.L4", "Chain.L5", "Chain.Hot"];
+const OSR_CHAIN: [&str; 3] = ["Chain.Main", "Chain.Spin", "Chain.Leaf"];
+
+#[test]
+fn frameless_tier1_chains_and_osr_loops_come_back_whole_and_agree_with_do_stack_snapshot() {
+    // Tiered (Tier1 frameless callers, an OSR loop), then fully optimized
+    // from the start (no tiers, no OSR).
+    for (env, what) in [(&[][..], "tiered"), (&[("DOTNET_TieredCompilation", "0")][..], "TieredCompilation=0")] {
+        let (stacks, _) = run(Runtime::Net8, "chain", &["3"], &["-r", "400"], env);
+        assert_complete(&stacks, "Chain.Hot", &HOT_CHAIN, what);
+        assert_complete(&stacks, "Chain.Leaf", &OSR_CHAIN, what);
+        // Ground truth: the runtime's own walker, on the same program, sees
+        // the same managed frames.
+        let (truth, _) = run(Runtime::Net8, "chain", &["3"], &["-r", "400", "--sampler", "suspend"], env);
+        for (leaf, expected) in [("Chain.Hot", &HOT_CHAIN[..]), ("Chain.Leaf", &OSR_CHAIN[..])] {
+            let chains = chains_ending_in(&truth, leaf);
+            let (top, _) = chains.iter().max_by_key(|c| c.1).unwrap_or_else(|| panic!("{what}: DoStackSnapshot saw no {leaf}"));
+            assert_eq!(top, expected, "{what}: DoStackSnapshot's chain for {leaf}");
+        }
+    }
+    // The same on .NET Core 3.1.
+    let (stacks, _) = run(Runtime::Core31, "chain", &["3"], &["-r", "400"], &[]);
+    assert_complete(&stacks, "Chain.Hot", &HOT_CHAIN, "3.1");
+    assert_complete(&stacks, "Chain.Leaf", &OSR_CHAIN, "3.1");
+}
+
+#[test]
+fn timers_take_over_where_perf_events_are_not_allowed() {
+    // CORSNAP_NO_PERF_EVENTS stands in for a container that forbids
+    // perf_event_open: POSIX CPU timers sample instead, and stacks are
+    // just as complete.
+    let (stacks, _) = run(Runtime::Net8, "chain", &["2"], &["-r", "400"], &[("CORSNAP_NO_PERF_EVENTS", "1")]);
+    assert_complete(&stacks, "Chain.Hot", &HOT_CHAIN, "timers");
+    let total: u64 = stacks.iter().map(|s| s.count).sum();
+    assert!(total >= 1_000_000_000, "CPU nanoseconds recorded: {total}");
+}
+
+#[test]
+fn a_300_deep_recursion_is_whole() {
+    let (stacks, _) = run(Runtime::Net8, "recursion", &["2", "300"], &[], &[]);
+    let bottom: Vec<&Stack> =
+        stacks.iter().filter(|s| s.frames.last().map(String::as_str) == Some("Deep.Bottom")).collect();
+    let total: u64 = bottom.iter().map(|s| s.count).sum();
+    let whole: u64 = bottom
+        .iter()
+        .filter(|s| {
+            let managed = managed_frames(&s.frames);
+            managed.first() == Some(&"Deep.Main")
+                && managed.len() == 302
+                && managed[1..301].iter().all(|&f| f == "Deep.Recurse")
+        })
+        .map(|s| s.count)
+        .sum();
+    assert!(total > 0 && whole * 100 >= total * 99, "{whole} of {total} whole:\n{}", describe(&stacks));
+}
+
+#[test]
+fn the_runtimes_own_threads_show_by_name_with_their_native_frames() {
+    // .NET 8: server GC threads are named `.NET Server GC` by the runtime;
+    // its libcoreclr.so carries no symbols, so their frames are addresses.
+    let (stacks, _) =
+        run(Runtime::Net8, "gcwork", &["2"], &["--threads"], &[("DOTNET_gcServer", "1"), ("COMPlus_gcServer", "1")]);
+    let gc: u64 = stacks
+        .iter()
+        .filter(|s| s.frames[0].starts_with(".NET Server GC tid="))
+        .filter(|s| s.frames.iter().any(|f| f.starts_with("libcoreclr.so")))
+        .map(|s| s.count)
+        .sum();
+    let total: u64 = stacks.iter().map(|s| s.count).sum();
+    assert!(gc * 10 >= total, "GC threads have {gc} of {total} ns:\n{}", describe(&stacks));
+    // .NET Core 3.1's libcoreclr.so has its symbols: the GC by name.
+    let (stacks, _) =
+        run(Runtime::Core31, "gcwork", &["2"], &["--threads"], &[("DOTNET_gcServer", "1"), ("COMPlus_gcServer", "1")]);
+    let gc_heap: u64 = stacks
+        .iter()
+        .filter(|s| s.frames.iter().any(|f| f.starts_with("libcoreclr.so!SVR::gc_heap::gc_thread_function")))
+        .map(|s| s.count)
+        .sum();
+    assert!(gc_heap > 0, "no gc_heap frames on 3.1:\n{}", describe(&stacks));
+}
+
+#[test]
+fn blocked_threads_behave_as_without_corsnap_at_1000_hz() {
+    let (_, stdout) = run(Runtime::Net8, "blocking", &["3"], &["-r", "1000"], &[]);
+    let mut seen = HashMap::new();
+    for line in stdout.lines().filter(|l| !l.starts_with("done")) {
+        let mut parts = line.split_whitespace();
+        let (what, ms): (&str, u64) = (parts.next().unwrap(), parts.next().unwrap().parse().unwrap());
+        *seen.entry(what.to_string()).or_insert(0) += 1;
+        // 300 ms each; a timeout that a signal restarted would take 600+.
+        assert!((290..550).contains(&ms), "{line}\n{stdout}");
+        if what == "receive" {
+            assert_eq!(parts.next(), Some("timeout"), "{line}");
+        }
+    }
+    for what in ["sleep", "wait", "usleep", "receive"] {
+        assert_eq!(seen.get(what), Some(&3), "{what}:\n{stdout}");
+    }
+}
