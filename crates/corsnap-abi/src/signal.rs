@@ -940,11 +940,22 @@ impl SignalSampler {
         (self.perf_fds.len(), self.timers.len(), self.perf_refusal.as_deref())
     }
 
+    /// Stops sampling because the program replaced our handler with its
+    /// own: timers and events go, the program's handler stays, and our
+    /// buffers are freed once no handler of ours runs.
+    pub fn abandon(self, timeout: Duration) -> bool {
+        self.leave(timeout, false)
+    }
+
     /// Takes the handler out of the process: no timer, no pending signal, no
     /// handler running, the previous disposition back. After this returns,
     /// no signal can reach the library's code. `false` if handlers were
     /// still running after `timeout` (the slots are then leaked, not freed).
-    pub fn uninstall(mut self, timeout: Duration) -> bool {
+    pub fn uninstall(self, timeout: Duration) -> bool {
+        self.leave(timeout, true)
+    }
+
+    fn leave(mut self, timeout: Duration, restore: bool) -> bool {
         ENABLED.store(false, Ordering::SeqCst);
         for (_, timer) in std::mem::take(&mut self.timers) {
             delete_timer(timer);
@@ -954,14 +965,17 @@ impl SignalSampler {
             // SAFETY: our own fd; closing it ends the event.
             unsafe { libc::close(fd) };
         }
-        // SAFETY: zeroed sigaction with SIG_IGN: setting a pending signal to
-        // be ignored discards it on every thread (POSIX, and Linux does so).
-        unsafe {
-            let mut ignore: libc::sigaction = std::mem::zeroed();
-            ignore.sa_sigaction = libc::SIG_IGN;
-            libc::sigemptyset(&mut ignore.sa_mask);
-            libc::sigaction(SAMPLE_SIGNAL, &ignore, null_mut());
-            libc::sigaction(SAMPLE_SIGNAL, &self.previous, null_mut());
+        if restore {
+            // SAFETY: zeroed sigaction with SIG_IGN: setting a pending signal
+            // to be ignored discards it on every thread (POSIX, and Linux
+            // does so).
+            unsafe {
+                let mut ignore: libc::sigaction = std::mem::zeroed();
+                ignore.sa_sigaction = libc::SIG_IGN;
+                libc::sigemptyset(&mut ignore.sa_mask);
+                libc::sigaction(SAMPLE_SIGNAL, &ignore, null_mut());
+                libc::sigaction(SAMPLE_SIGNAL, &self.previous, null_mut());
+            }
         }
         self.trampoline.target().store(self.trampoline.idle(), Ordering::SeqCst);
         let deadline = Instant::now() + timeout;
@@ -1225,7 +1239,12 @@ mod tests {
         worker.join().unwrap();
         assert!(samples.len() >= 50, "only {} samples", samples.len());
         handler_ns.sort_unstable();
-        eprintln!("handler: median {} ns, p90 {} ns, {} frames", handler_ns[handler_ns.len() / 2], handler_ns[handler_ns.len() * 9 / 10], samples[samples.len() / 2].2.len());
+        eprintln!(
+            "handler: median {} ns, p90 {} ns, {} frames",
+            handler_ns[handler_ns.len() / 2],
+            handler_ns[handler_ns.len() * 9 / 10],
+            samples[samples.len() / 2].2.len()
+        );
         let (perf, timers, refusal) = sampler.perf_status();
         eprintln!("sampled by perf events: {perf}, by timers: {timers} ({refusal:?})");
         // Weights are CPU nanoseconds: around the 1 ms interval (perf events),

@@ -201,7 +201,9 @@ fn check_header(header: u64, start: u64, ip: u64, method_desc: Option<u64>) -> O
         return None;
     }
     let unwind = read_own_bytes(span_start, (span_end - span_start) as usize)?;
-    if method_desc.is_none() && !records.iter().all(|r| plausible_unwind_info(&unwind, (base + u64::from(r[2]) - span_start) as usize)) {
+    if method_desc.is_none()
+        && !records.iter().all(|r| plausible_unwind_info(&unwind, (base + u64::from(r[2]) - span_start) as usize))
+    {
         return None;
     }
     let functions: Vec<u8> = records.iter().flat_map(|r| r.iter().flat_map(|w| w.to_le_bytes())).collect();

@@ -98,7 +98,14 @@ fn obey(running: &Running, command: Command) -> Option<String> {
 fn detach(running: &Running, why: &str) {
     log::write(format_args!("detaching: {why}"));
     crate::stop_allocation_sampling(&running.shared);
-    running.stop_sampler(&format!("detached ({why})"));
+    if !running.stop_sampler(&format!("detached ({why})")) {
+        // A sampler still running may still have its signal handler (and
+        // timers) in place: unloading the library under it could crash the
+        // program. Stay loaded and let it finish on its own.
+        log::write(format_args!("the sampler did not stop; not detaching, the agent stays loaded"));
+        let _ = running.socket.shutdown(std::net::Shutdown::Both);
+        return;
+    }
     let _ = running.socket.shutdown(std::net::Shutdown::Both);
     let longest_ms = running.shared.longest_callback_ns.load(Ordering::Relaxed) / 1_000_000;
     let expected_ms = (longest_ms * 2).clamp(10, 5000) as u32;

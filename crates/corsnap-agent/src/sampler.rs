@@ -327,8 +327,9 @@ struct SamplerLoop {
     signal: Option<SignalEngine>,
     signal_samples: Vec<crate::signal_engine::Sample>,
     signal_rate: u32,
-    /// When each OS thread was first sampled, and the name last sent for it.
-    signal_threads: HashMap<u32, (Instant, Option<String>)>,
+    /// When each OS thread was first sampled, the name last sent for it, and
+    /// whether the runtime ever said it was a managed thread.
+    signal_threads: HashMap<u32, (Instant, Option<String>, bool)>,
 }
 
 impl SamplerLoop {
@@ -691,8 +692,18 @@ impl SamplerLoop {
         tids.sort_unstable();
         tids.dedup();
         for tid in tids {
-            let entry = self.signal_threads.entry(tid).or_insert_with(|| (now, None));
-            let name = match names.get(&tid) {
+            let entry = self.signal_threads.entry(tid).or_insert_with(|| (now, None, false));
+            let registered = names.get(&tid);
+            entry.2 |= registered.is_some();
+            if registered.is_none() && (entry.2 || entry.1.as_ref().is_some_and(|n| !n.is_empty())) {
+                // A thread leaving (the runtime forgot it first) keeps its
+                // name to its last sample.
+                continue;
+            }
+            let name = match registered {
+                // Names given before we attached were never announced to us;
+                // the runtime also names the OS thread (15 bytes of it).
+                Some(name) if name.is_empty() && self.shared.attached => os_thread_name(tid).unwrap_or_default(),
                 Some(name) => name.clone(),
                 None if now.duration_since(entry.0) >= THREAD_NAME_SETTLE => os_thread_name(tid).unwrap_or_default(),
                 None => String::new(),

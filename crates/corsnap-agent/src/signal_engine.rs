@@ -217,9 +217,14 @@ impl SignalEngine {
     /// samples taken since the last round.
     pub fn collect(&mut self, out: &mut Vec<Sample>) {
         if self.sampler.is_none() {
+            out.append(&mut self.leftovers);
             return;
         }
         if Instant::now() >= self.next_scan {
+            if !self.sampler.as_ref().is_some_and(|s| s.handler_in_place()) {
+                self.handler_replaced();
+                return;
+            }
             self.refresh_modules();
             self.scan_threads();
         }
@@ -230,6 +235,25 @@ impl SignalEngine {
         }
         if let Some(s) = self.sampler.as_mut() {
             s.reclaim();
+        }
+    }
+
+    /// The program installed its own `SIGPROF` handler over ours: our
+    /// signals would now reach it, so they stop at once (its handler is left
+    /// in place), and the user is told.
+    fn handler_replaced(&mut self) {
+        if let Some(sampler) = self.sampler.take() {
+            let mut rest = Vec::new();
+            self.drain_all(&sampler, &mut rest);
+            self.leftovers.extend(rest);
+            let text = "the program installed its own SIGPROF handler; corsnap stopped its CPU sampling so that \
+                        handler gets no signals of corsnap's (samples so far are kept)"
+                .to_string();
+            log::write(format_args!("{text}"));
+            self.shared.post(corsnap_wire::Message::Notice { severity: corsnap_wire::Severity::Warning, text });
+            if !sampler.abandon(Duration::from_secs(2)) {
+                log::write(format_args!("signal handlers still running after 2 s"));
+            }
         }
     }
 

@@ -18,6 +18,9 @@ struct Symbol {
     start: u64,
     end: u64,
     name: String,
+    /// Lower is preferred among symbols at one address: exported names
+    /// over weak ones over glibc's internal aliases (`__GI_qsort`).
+    rank: u8,
 }
 
 #[derive(Debug, Default)]
@@ -38,7 +41,13 @@ impl SymbolTable {
             if name.is_empty() {
                 return;
             }
-            symbols.push(Symbol { start: sym.address(), end: sym.address() + sym.size(), name: demangle(name) });
+            let rank = match (sym.is_global(), sym.is_weak(), name.starts_with("__GI_") || name.starts_with("__")) {
+                (_, _, true) => 3,
+                (true, false, false) => 0,
+                (_, true, false) => 1,
+                _ => 2,
+            };
+            symbols.push(Symbol { start: sym.address(), end: sym.address() + sym.size(), name: demangle(name), rank });
         };
         let mut any = false;
         for sym in file.symbols() {
@@ -50,7 +59,7 @@ impl SymbolTable {
                 add(sym);
             }
         }
-        symbols.sort_by(|a, b| a.start.cmp(&b.start).then(b.end.cmp(&a.end)));
+        symbols.sort_by(|a, b| a.start.cmp(&b.start).then(a.rank.cmp(&b.rank)).then(b.end.cmp(&a.end)));
         symbols.dedup_by_key(|s| s.start);
         // Symbols without a size reach to the next symbol.
         for i in 0..symbols.len() {
@@ -70,8 +79,13 @@ impl SymbolTable {
 }
 
 fn demangle(name: &str) -> String {
-    if let Ok(d) = rustc_demangle::try_demangle(name) {
-        return format!("{d:#}");
+    // Rust's v0 names start with _R; its legacy ones look like C++ names but
+    // end in a hash (`17h0123456789abcdefE`).
+    let rust_legacy = name.starts_with("_ZN") && name.len() > 20 && name[name.len() - 20..].starts_with("17h");
+    if name.starts_with("_R") || rust_legacy {
+        if let Ok(d) = rustc_demangle::try_demangle(name) {
+            return format!("{d:#}");
+        }
     }
     if name.starts_with("_Z") {
         if let Ok(sym) = cpp_demangle::Symbol::new(name) {
@@ -199,7 +213,7 @@ mod tests {
 
     #[test]
     fn cpp_and_rust_names_are_demangled() {
-        assert_eq!(demangle("_ZN3WKS7gc_heap14garbage_collectEi"), "WKS::gc_heap::garbage_collect");
+        assert_eq!(demangle("_ZN3WKS7gc_heap15garbage_collectEi"), "WKS::gc_heap::garbage_collect");
         assert_eq!(demangle("qsort"), "qsort");
     }
 }

@@ -925,14 +925,17 @@ mod tests {
         let mut buf = Vec::new();
         Message::Stats(stats).encode_into(&mut buf);
         let body = &buf[4..];
-        // Version 2 agents (and raw recordings) sent 18 fields.
-        let older = &body[..body.len() - 8];
+        // Version 2 agents (and raw recordings) sent 18 fields, and those
+        // before the signal engine 19.
+        let older = &body[..body.len() - 9 * 8];
         assert_eq!(
             Message::decode(older),
             Ok(Message::Stats(SamplerStats { throttled_ticks: 0, ..stats })),
             "the 18 fields of an older agent"
         );
-        assert!(Message::decode(&body[..body.len() - 16]).is_err(), "fewer than 18 is broken");
+        let before_signal = &body[..body.len() - 8 * 8];
+        assert_eq!(Message::decode(before_signal), Ok(Message::Stats(stats)), "19 fields");
+        assert!(Message::decode(&body[..body.len() - 10 * 8]).is_err(), "fewer than 18 is broken");
     }
 
     #[test]

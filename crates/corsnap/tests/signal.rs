@@ -11,9 +11,16 @@ use support::{describe, managed_frames, parse_collapsed, record_with_env, scratc
 
 /// Records `program` with `args` and `env`; the collapsed stacks and the
 /// program's stdout.
-fn run(runtime: Runtime, program: &str, program_args: &[&str], args: &[&str], env: &[(&str, &str)]) -> (Vec<Stack>, String) {
-    let tag = format!("{program}-{runtime:?}-{}-{}", args.join("_"), env.iter().map(|e| e.0).collect::<Vec<_>>().join("_"))
-        .replace(['-', '/', '.', '='], "");
+fn run(
+    runtime: Runtime,
+    program: &str,
+    program_args: &[&str],
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (Vec<Stack>, String) {
+    let tag =
+        format!("{program}-{runtime:?}-{}-{}", args.join("_"), env.iter().map(|e| e.0).collect::<Vec<_>>().join("_"))
+            .replace(['-', '/', '.', '='], "");
     let dir = scratch(&format!("signal-{tag}"));
     let out = dir.join("out.txt");
     let mut all = vec!["-f", "collapsed", "-o", out.to_str().unwrap()];
@@ -92,7 +99,8 @@ fn a_qsort_comparer_holds_its_thread_with_libc_frames_named_between_it_and_its_c
     // The main thread's samples: the first frame is its label.
     let main = stacks.iter().filter(|s| s.frames.iter().any(|f| f == "NativeSort.Main")).collect::<Vec<_>>();
     let total: u64 = main.iter().map(|s| s.count).sum();
-    let in_compare: u64 = main.iter().filter(|s| s.frames.iter().any(|f| f == "NativeSort.Compare")).map(|s| s.count).sum();
+    let in_compare: u64 =
+        main.iter().filter(|s| s.frames.iter().any(|f| f == "NativeSort.Compare")).map(|s| s.count).sum();
     let owned: Vec<Stack> = main.iter().map(|s| (*s).clone()).collect();
     assert!(in_compare * 100 >= total * 90, "Compare has {in_compare} of {total} ns:\n{}", describe(&owned));
     // Between SortOnce and Compare: libc's qsort by name, nothing managed.
@@ -146,7 +154,8 @@ fn frameless_tier1_chains_and_osr_loops_come_back_whole_and_agree_with_do_stack_
         let (truth, _) = run(Runtime::Net8, "chain", &["3"], &["-r", "400", "--sampler", "suspend"], env);
         for (leaf, expected) in [("Chain.Hot", &HOT_CHAIN[..]), ("Chain.Leaf", &OSR_CHAIN[..])] {
             let chains = chains_ending_in(&truth, leaf);
-            let (top, _) = chains.iter().max_by_key(|c| c.1).unwrap_or_else(|| panic!("{what}: DoStackSnapshot saw no {leaf}"));
+            let (top, _) =
+                chains.iter().max_by_key(|c| c.1).unwrap_or_else(|| panic!("{what}: DoStackSnapshot saw no {leaf}"));
             assert_eq!(top, expected, "{what}: DoStackSnapshot's chain for {leaf}");
         }
     }

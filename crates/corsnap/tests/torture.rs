@@ -73,13 +73,14 @@ fn thread_churn_while_sampling_at_1000_hz() {
     assert!(counts["threads"] >= 1000, "{counts:?}");
     let stacks = parse_collapsed(&std::fs::read_to_string(dir.join("p.txt")).unwrap());
     assert!(count_with(&stacks, "Storm.Churn") > 0, "{}", describe(&stacks));
-    // A thread caught half-created can refuse a walk; that must stay rare.
+    // A thread caught half-created or half-gone can stop a walk early; that
+    // must stay rare.
     let number_before = |marker: &str| -> u64 {
         let at = stderr.find(marker).unwrap_or_else(|| panic!("no {marker:?} in {stderr}"));
         stderr[..at].trim_end().rsplit(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
     };
-    let (stacks, errors) = (number_before(" stacks,"), number_before(" walk errors"));
-    assert!(errors * 100 <= stacks, "{errors} walk errors in {stacks} stacks");
+    let (samples, incomplete) = (number_before(" samples from"), number_before(" stacks incomplete"));
+    assert!(incomplete * 100 <= samples, "{incomplete} incomplete stacks in {samples}");
 }
 
 #[test]
@@ -184,6 +185,8 @@ fn attach_and_detach_in_a_loop_under_thread_churn_and_gc_storm() {
             panic!("cycle {cycle}: {}\n{}", String::from_utf8_lossy(&out.stderr), service.describe());
         }
         service.wait_agent_gone();
+        let left = service.signal_leftovers();
+        assert!(left.is_empty(), "cycle {cycle} left behind: {left:?}");
         service.wait_heartbeats(1);
         assert!(service.is_alive(), "the storm service died");
     }

@@ -277,6 +277,44 @@ impl Service {
         std::fs::read_to_string(format!("/proc/{}/maps", self.pid)).unwrap_or_default().contains("libcorsnap_agent")
     }
 
+    /// What a signal sampler could leave behind in the process: POSIX
+    /// timers, perf event fds, a SIGPROF handler, more than one trampoline.
+    /// Empty when there is none.
+    pub fn signal_leftovers(&self) -> Vec<String> {
+        let mut found = Vec::new();
+        if let Ok(timers) = std::fs::read_to_string(format!("/proc/{}/timers", self.pid)) {
+            if !timers.trim().is_empty() {
+                found.push(format!("POSIX timers:\n{timers}"));
+            }
+        }
+        let perf = std::fs::read_dir(format!("/proc/{}/fd", self.pid))
+            .map(|d| {
+                d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                    .filter(|l| l.to_string_lossy().contains("perf_event"))
+                    .count()
+            })
+            .unwrap_or(0);
+        if perf > 0 {
+            found.push(format!("{perf} perf event fds"));
+        }
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid)).unwrap_or_default();
+        let caught = status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigCgt:"))
+            .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+            .unwrap_or(0);
+        // SIGPROF is signal 27: bit 26.
+        if caught & (1 << 26) != 0 {
+            found.push("a SIGPROF handler".to_string());
+        }
+        let maps = std::fs::read_to_string(format!("/proc/{}/maps", self.pid)).unwrap_or_default();
+        let trampolines = maps.lines().filter(|l| l.contains("corsnap-signal-trampoline")).count();
+        if trampolines > 2 {
+            found.push(format!("{trampolines} trampoline mappings (one code page and one data page are kept)"));
+        }
+        found
+    }
+
     /// Thread names, without the runtime's tiered-compilation worker, which
     /// comes and goes by itself.
     pub fn threads(&self) -> Vec<String> {
