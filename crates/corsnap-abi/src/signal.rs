@@ -447,7 +447,15 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
     let time_ns = monotonic_ns();
     let frames = walking.frames.get(..walk.len).unwrap_or(&[]);
     let header = frames.len() as u64 | u64::from(walk.flags) << 32;
-    let copy = (walk.flags & corsnap_unwind::flags::UNKNOWN_CODE != 0).then_some((regs, stack_words, &memory));
+    // A walk that reached the root used the stack up to `walk.sp`: copy that
+    // much (and a little more), not the whole allowance, so that several
+    // copies fit in the ring between two drains.
+    let copy_words = if walk.flags & corsnap_unwind::flags::COMPLETE != 0 {
+        (((walk.sp.saturating_sub(regs.sp)) / 8) as usize + 64).min(stack_words)
+    } else {
+        stack_words
+    };
+    let copy = (walk.flags & corsnap_unwind::flags::UNKNOWN_CODE != 0).then_some((regs, copy_words, &memory));
     if slot.ring.push([header, weight_ns, time_ns, time_ns.saturating_sub(entered), 0], frames, copy) {
         slot.samples.fetch_add(1, Ordering::Relaxed);
     } else {

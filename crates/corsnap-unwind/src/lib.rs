@@ -304,6 +304,9 @@ impl CodeMap {
 pub struct Walk {
     pub len: usize,
     pub flags: u32,
+    /// The stack pointer of the last frame reached: how much of the stack
+    /// the walk used.
+    pub sp: u64,
 }
 
 /// One unwinding step's outcome.
@@ -408,7 +411,7 @@ pub fn walk<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, cache: &mut WalkCache
             }
         }
     }
-    Walk { len, flags }
+    Walk { len, flags, sp: regs.sp }
 }
 
 fn signal_context<M: Memory>(mem: &M, uc: u64) -> Option<Regs> {
