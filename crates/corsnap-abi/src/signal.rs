@@ -116,6 +116,10 @@ pub struct ThreadSlot {
     tid: u32,
     /// The perf event that samples this thread, or -1 (a POSIX timer does).
     perf_fd: i32,
+    /// Its ring buffer's control page (0 without one): the handler marks
+    /// each overflow record read, so the event never stops for a full
+    /// buffer and needs no system call to go on.
+    perf_page: usize,
     /// The mean CPU time between samples, in nanoseconds.
     interval_ns: AtomicU64,
     walking: UnsafeCell<Walking>,
@@ -139,7 +143,7 @@ struct Walking {
 }
 
 /// Samples between changes of a perf event's period.
-const PERIOD_CHANGE_EVERY: u64 = 8;
+const PERIOD_CHANGE_EVERY: u64 = 16;
 
 /// A period drawn uniformly from 0.75 to 1.25 times the interval (xorshift).
 fn dithered_period(rng: &mut u64, interval_ns: u64) -> u64 {
@@ -156,6 +160,13 @@ fn dithered_period(rng: &mut u64, interval_ns: u64) -> u64 {
 unsafe impl Sync for ThreadSlot {}
 // SAFETY: as above; the slot holds no thread-bound resources.
 unsafe impl Send for ThreadSlot {}
+
+impl Drop for ThreadSlot {
+    fn drop(&mut self) {
+        // Freed only when no handler can touch the slot any more.
+        unmap_perf_ring(self.perf_page);
+    }
+}
 
 impl std::fmt::Debug for ThreadSlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -409,18 +420,18 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
     let walking = unsafe { &mut *slot.walking.get() };
     let weight_ns = if slot.perf_fd >= 0 {
         // The period that just ran out is this sample's weight. Periods are
-        // spread around the interval, so a program whose work repeats at the
-        // sampling period is not always seen at the same point of it; a new
-        // period costs an ioctl of ~10 µs on some kernels, so it changes
-        // every PERIOD_CHANGE_EVERY samples (each thread starts with its
-        // own), and the event is otherwise only re-armed (~0.3 µs).
+        // spread around the interval (each thread starts with its own), so a
+        // program whose work repeats at the sampling period is not always
+        // seen at the same point of it; a new period costs an ioctl of
+        // ~10 µs on some kernels, so it changes every PERIOD_CHANGE_EVERY
+        // samples. The overflow records are marked read with one store.
         let elapsed = walking.period_ns;
         walking.samples += 1;
         if walking.samples % PERIOD_CHANGE_EVERY == 0 {
             walking.period_ns = dithered_period(&mut walking.rng, slot.interval_ns.load(Ordering::Relaxed));
             set_perf_period(slot.perf_fd, walking.period_ns);
         }
-        rearm_perf_event_plain(slot.perf_fd);
+        consume_perf_records(slot.perf_page);
         elapsed
     } else {
         (1 + overrun.max(0) as u64) * slot.interval_ns.load(Ordering::Relaxed)
@@ -773,12 +784,10 @@ impl SignalSampler {
     /// Starts or stops turning signals into samples.
     pub fn set_enabled(&self, on: bool) {
         ENABLED.store(on, Ordering::Release);
-        if on {
-            // A perf event that fired while sampling was off was not
-            // re-armed by the handler: arm it again.
-            for &(_, fd) in &self.perf_fds {
-                rearm_perf_event_plain(fd);
-            }
+        // Paused perf events cost nothing; timers keep running and their
+        // signals are dropped while sampling is off.
+        for &(_, fd) in &self.perf_fds {
+            enable_perf_event(fd, on);
         }
     }
 
@@ -837,10 +846,23 @@ impl SignalSampler {
                 -1
             }
         };
+        let perf_page = if perf_fd >= 0 {
+            match map_perf_ring(perf_fd) {
+                Ok(page) => page,
+                Err(e) => {
+                    // SAFETY: our own fd.
+                    unsafe { libc::close(perf_fd) };
+                    return Err(e);
+                }
+            }
+        } else {
+            0
+        };
         let seed = (u64::from(tid) << 32 | index as u64) ^ 0x9e37_79b9_7f4a_7c15;
         let slot = Box::new(ThreadSlot {
             tid,
             perf_fd,
+            perf_page,
             interval_ns: AtomicU64::new(interval_ns),
             walking: UnsafeCell::new(Walking {
                 cache: WalkCache::new(),
@@ -875,6 +897,7 @@ impl SignalSampler {
                     PERF_FDS[perf_fd as usize].store(0, Ordering::Release);
                     // SAFETY: our own fd; nothing was started on it.
                     unsafe { libc::close(perf_fd) };
+                    unmap_perf_ring(perf_page);
                     let p = SLOTS[index].swap(null_mut(), Ordering::SeqCst);
                     // SAFETY: no event fired for this slot.
                     drop(unsafe { Box::from_raw(p) });
@@ -1087,7 +1110,8 @@ const PERF_FLAG_FD_CLOEXEC: libc::c_ulong = 8;
 const ATTR_DISABLED: u64 = 1;
 const ATTR_EXCLUDE_KERNEL: u64 = 1 << 5;
 const ATTR_EXCLUDE_HV: u64 = 1 << 6;
-const PERF_EVENT_IOC_REFRESH: libc::c_ulong = 0x2402;
+const PERF_EVENT_IOC_ENABLE: libc::c_ulong = 0x2400;
+const PERF_EVENT_IOC_DISABLE: libc::c_ulong = 0x2401;
 const PERF_EVENT_IOC_PERIOD: libc::c_ulong = 0x4008_2404;
 const F_SETSIG: c_int = 10;
 const F_SETOWN_EX: c_int = 15;
@@ -1134,8 +1158,50 @@ fn open_perf_event(tid: u32) -> std::io::Result<i32> {
     Err(std::io::Error::from_raw_os_error(libc::EACCES))
 }
 
+/// The size of a perf event's mapping: the control page and one data page
+/// (512 eight-byte overflow records).
+const PERF_MMAP_BYTES: usize = 2 * 4096;
+/// `struct perf_event_mmap_page`: `data_head` at 1024, `data_tail` at 1032.
+const PERF_DATA_HEAD: usize = 1024;
+const PERF_DATA_TAIL: usize = 1032;
+
+/// Maps the event's ring buffer; its control page's address.
+fn map_perf_ring(fd: i32) -> std::io::Result<usize> {
+    // SAFETY: a fresh shared mapping of our own perf fd.
+    let page =
+        unsafe { libc::mmap(null_mut(), PERF_MMAP_BYTES, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+    if page == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(page as usize)
+}
+
+fn unmap_perf_ring(page: usize) {
+    if page != 0 {
+        // SAFETY: a mapping made by `map_perf_ring`, no longer used.
+        unsafe { libc::munmap(page as *mut c_void, PERF_MMAP_BYTES) };
+    }
+}
+
+/// From the handler: marks every overflow record read (`data_tail =
+/// data_head`). Two atomic accesses to the mapped control page; no system
+/// call.
+fn consume_perf_records(page: usize) {
+    if page == 0 {
+        return;
+    }
+    // SAFETY: the control page stays mapped while the slot exists (unmapped
+    // only after its thread has exited, or after every handler has left);
+    // both fields are 8-aligned u64s the kernel shares with us.
+    unsafe {
+        let head = &*((page + PERF_DATA_HEAD) as *const AtomicU64);
+        let tail = &*((page + PERF_DATA_TAIL) as *const AtomicU64);
+        tail.store(head.load(Ordering::Acquire), Ordering::Release);
+    }
+}
+
 /// Makes the event's overflows signal thread `tid` with `SAMPLE_SIGNAL`
-/// (carrying the fd), and starts it for one period.
+/// (carrying the fd), and starts it.
 fn start_perf_event(fd: i32, tid: u32, period_ns: u64) -> std::io::Result<()> {
     #[repr(C)]
     struct FOwnerEx {
@@ -1153,7 +1219,7 @@ fn start_perf_event(fd: i32, tid: u32, period_ns: u64) -> std::io::Result<()> {
         }
         let period = period_ns;
         if libc::ioctl(fd, PERF_EVENT_IOC_PERIOD, &period as *const u64) != 0
-            || libc::ioctl(fd, PERF_EVENT_IOC_REFRESH, 1) != 0
+            || libc::ioctl(fd, PERF_EVENT_IOC_ENABLE, 0) != 0
         {
             return Err(std::io::Error::last_os_error());
         }
@@ -1168,11 +1234,9 @@ fn set_perf_period(fd: i32, period_ns: u64) {
     unsafe { libc::ioctl(fd, PERF_EVENT_IOC_PERIOD, &period_ns as *const u64) };
 }
 
-/// One more overflow allowed (the event disables itself after each). A
-/// system call on our own fd (safe in the handler).
-fn rearm_perf_event_plain(fd: i32) {
+fn enable_perf_event(fd: i32, on: bool) {
     // SAFETY: ioctl on our own fd.
-    unsafe { libc::ioctl(fd, PERF_EVENT_IOC_REFRESH, 1) };
+    unsafe { libc::ioctl(fd, if on { PERF_EVENT_IOC_ENABLE } else { PERF_EVENT_IOC_DISABLE }, 0) };
 }
 
 fn delete_timer(id: i32) {
