@@ -11,7 +11,7 @@ Every run has a deadline that catches a deadlock. Prints what it survived.
 
     python3 bench/torture.py [--minutes 10] [--cycles 100]
 """
-import argparse, re, subprocess, sys, tempfile, threading, time
+import argparse, os, re, subprocess, sys, tempfile, threading, time
 
 from common import CORSNAP, prepare
 
@@ -46,6 +46,30 @@ def main():
         with open(f"/proc/{pid}/maps") as f:
             return "libcorsnap_agent" not in f.read()
 
+    def signal_leftovers(pid):
+        """What the signal engine could leave behind: POSIX timers, perf
+        event fds, a SIGPROF handler, more than one trampoline page pair."""
+        found = []
+        try:
+            with open(f"/proc/{pid}/timers") as f:
+                if f.read().strip():
+                    found.append("POSIX timers")
+        except FileNotFoundError:
+            pass
+        perf = sum(1 for fd in os.listdir(f"/proc/{pid}/fd")
+                   if "perf_event" in os.readlink(f"/proc/{pid}/fd/{fd}"))
+        if perf:
+            found.append(f"{perf} perf event fds")
+        with open(f"/proc/{pid}/status") as f:
+            caught = int(next(l for l in f if l.startswith("SigCgt:")).split()[1], 16)
+        if caught & (1 << 26):
+            found.append("a SIGPROF handler")
+        with open(f"/proc/{pid}/maps") as f:
+            trampolines = sum(1 for l in f if "corsnap-signal-trampoline" in l)
+        if trampolines > 2:
+            found.append(f"{trampolines} trampoline mappings")
+        return found
+
     def attach_loop():
         p = subprocess.Popen([dotnet, dll, "all", "3600"], env=env, stdout=subprocess.PIPE, text=True)
         pid = int(p.stdout.readline().split()[1])
@@ -65,6 +89,9 @@ def main():
                     if time.monotonic() - t0 > 10:
                         sys.exit(f"attach cycle {cycle}: the agent did not leave")
                     time.sleep(0.02)
+                left = signal_leftovers(pid)
+                if left:
+                    sys.exit(f"attach cycle {cycle} left behind: {left}")
                 before = beats[0]
                 t0 = time.monotonic()
                 while beats[0] <= before:
@@ -84,7 +111,8 @@ def main():
         print(f"  {totals}", file=sys.stderr)
     print(f"\nsurvived {args.minutes:g} minutes: {totals['runs']} storm runs at 1000 Hz, {totals['threads']} threads "
           f"created and destroyed, {totals['gcs']} GCs, {totals['exceptions']} exceptions recorded, "
-          f"{totals['samples']} samples, {totals['attach_cycles']} attach/record/detach cycles under storm")
+          f"{totals['samples']} samples, {totals['attach_cycles']} attach/record/detach cycles under storm, each "
+          f"leaving no timer, perf event, SIGPROF handler or agent mapping behind")
 
 
 if __name__ == "__main__":

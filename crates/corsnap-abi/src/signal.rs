@@ -939,9 +939,7 @@ impl SignalSampler {
         }
         if let Some(pos) = self.perf_fds.iter().position(|&(i, _)| i == id.0) {
             let (_, fd) = self.perf_fds.swap_remove(pos);
-            PERF_FDS[fd as usize].store(0, Ordering::Release);
-            // SAFETY: our own fd.
-            unsafe { libc::close(fd) };
+            close_perf_event(fd);
         }
         let p = SLOTS[id.0].swap(null_mut(), Ordering::SeqCst);
         if !p.is_null() {
@@ -992,9 +990,7 @@ impl SignalSampler {
             delete_timer(timer);
         }
         for (_, fd) in std::mem::take(&mut self.perf_fds) {
-            PERF_FDS[fd as usize].store(0, Ordering::Release);
-            // SAFETY: our own fd; closing it ends the event.
-            unsafe { libc::close(fd) };
+            close_perf_event(fd);
         }
         if restore {
             // SAFETY: zeroed sigaction with SIG_IGN: setting a pending signal
@@ -1234,6 +1230,21 @@ fn set_perf_period(fd: i32, period_ns: u64) {
     unsafe { libc::ioctl(fd, PERF_EVENT_IOC_PERIOD, &period_ns as *const u64) };
 }
 
+/// Ends a perf event for good. Closing the fd alone is not enough: the ring
+/// buffer's mapping keeps the event alive, still counting and signalling,
+/// until the slot is freed; and after a detach, a `SIGPROF` that nobody
+/// handles kills the process. So the event is disabled and its signal
+/// delivery switched off first.
+fn close_perf_event(fd: i32) {
+    PERF_FDS[fd as usize].store(0, Ordering::Release);
+    // SAFETY: ioctl, fcntl and close on our own fd.
+    unsafe {
+        libc::ioctl(fd, PERF_EVENT_IOC_DISABLE, 0);
+        libc::fcntl(fd, libc::F_SETFL, 0);
+        libc::close(fd);
+    }
+}
+
 fn enable_perf_event(fd: i32, on: bool) {
     // SAFETY: ioctl on our own fd.
     unsafe { libc::ioctl(fd, if on { PERF_EVENT_IOC_ENABLE } else { PERF_EVENT_IOC_DISABLE }, 0) };
@@ -1307,8 +1318,6 @@ mod tests {
                 samples.push((s.flags, s.weight_ns, s.frames.to_vec()))
             });
         }
-        stop.store(true, Ordering::SeqCst);
-        worker.join().unwrap();
         assert!(samples.len() >= 50, "only {} samples", samples.len());
         handler_ns.sort_unstable();
         eprintln!(
@@ -1333,7 +1342,14 @@ mod tests {
             "{through_middle} of {} through spin_middle",
             samples.len()
         );
+        // The worker keeps running through the uninstall and after it: with
+        // SIGPROF back to its default action, any late signal of ours (a
+        // timer, a perf event kept alive by its mapping) would kill this
+        // test process.
         assert!(sampler.uninstall(Duration::from_secs(5)));
+        std::thread::sleep(Duration::from_millis(200));
+        stop.store(true, Ordering::SeqCst);
+        worker.join().unwrap();
         // SAFETY: querying into a zeroed struct.
         let mut now: libc::sigaction = unsafe { std::mem::zeroed() };
         // SAFETY: valid out-pointer.

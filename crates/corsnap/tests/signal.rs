@@ -238,3 +238,18 @@ fn blocked_threads_behave_as_without_corsnap_at_1000_hz() {
         assert_eq!(seen.get(what), Some(&3), "{what}:\n{stdout}");
     }
 }
+
+#[test]
+fn a_program_that_takes_sigprof_for_itself_is_left_alone_with_a_warning() {
+    let dir = scratch("signal-ownsignal");
+    let out = dir.join("p.txt");
+    let output = record_with_env(Runtime::Net8, "ownsignal", &["2"], &["-f", "collapsed", "-o", out.to_str().unwrap()], &[], None);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(String::from_utf8_lossy(&output.stdout).contains("done"), "the program ran to its end");
+    assert!(stderr.contains("installed its own SIGPROF handler"), "{stderr}");
+    // The first half was sampled, and kept.
+    let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
+    let spin: u64 = stacks.iter().filter(|s| s.frames.iter().any(|f| f == "OwnSignal.Spin")).map(|s| s.count).sum();
+    assert!(spin >= 500_000_000, "{spin} ns in Spin:\n{}", describe(&stacks));
+}
