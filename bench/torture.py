@@ -56,8 +56,12 @@ def main():
                     found.append("POSIX timers")
         except FileNotFoundError:
             pass
-        perf = sum(1 for fd in os.listdir(f"/proc/{pid}/fd")
-                   if "perf_event" in os.readlink(f"/proc/{pid}/fd/{fd}"))
+        def link(fd):
+            try:
+                return os.readlink(f"/proc/{pid}/fd/{fd}")
+            except FileNotFoundError:  # closed since the listing
+                return ""
+        perf = sum(1 for fd in os.listdir(f"/proc/{pid}/fd") if "perf_event" in link(fd))
         if perf:
             found.append(f"{perf} perf event fds")
         with open(f"/proc/{pid}/status") as f:
@@ -96,7 +100,9 @@ def main():
                 t0 = time.monotonic()
                 while beats[0] <= before:
                     if p.poll() is not None or time.monotonic() - t0 > 10:
-                        sys.exit(f"attach cycle {cycle}: the process stopped beating")
+                        how = (f"exited with {p.returncode} (negative: killed by that signal)" if p.poll() is not None
+                               else "still running, no heartbeat for 10 s")
+                        sys.exit(f"attach cycle {cycle}: the process stopped beating: {how}\n{r.stderr[-2000:]}")
                     time.sleep(0.02)
                 totals["attach_cycles"] += 1
         finally:

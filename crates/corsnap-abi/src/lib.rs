@@ -20,6 +20,7 @@ mod callback;
 mod info;
 mod metadata;
 mod native_thread;
+pub mod os;
 pub mod process;
 pub mod signal;
 

@@ -43,9 +43,9 @@ const STATS_EVERY: Duration = Duration::from_secs(1);
 /// How often the signal engine's buffers are drained (and new threads
 /// looked for, when the runtime announced some).
 const SIGNAL_DRAIN_EVERY: Duration = Duration::from_millis(10);
-/// A thread the runtime has not claimed this long after its first sample is
-/// named by the kernel's name for it.
-const THREAD_NAME_SETTLE: Duration = Duration::from_millis(200);
+/// How long after a thread is first described its kernel name is looked at
+/// again.
+const KERNEL_NAME_SETTLE: Duration = Duration::from_secs(1);
 /// Samples are sent in batches: a send per tick would wake the CLI (and
 /// take a CPU from the program) up to a thousand times a second.
 const SEND_EVERY: Duration = Duration::from_millis(50);
@@ -327,9 +327,12 @@ struct SamplerLoop {
     signal: Option<SignalEngine>,
     signal_samples: Vec<crate::signal_engine::Sample>,
     signal_rate: u32,
-    /// When each OS thread was first sampled, the name last sent for it, and
-    /// whether the runtime ever said it was a managed thread.
-    signal_threads: HashMap<u32, (Instant, Option<String>, bool)>,
+    /// The name last sent for each OS thread the signal engine sampled.
+    signal_threads: HashMap<u32, Option<String>>,
+    /// The kernel's name last sent for each OS thread, and when it was
+    /// first sent (names are looked at again for a while: the runtime names
+    /// a thread just after starting it).
+    kernel_names: HashMap<u32, (Instant, String)>,
 }
 
 impl SamplerLoop {
@@ -379,6 +382,7 @@ impl SamplerLoop {
             signal_samples: Vec::new(),
             signal_rate,
             signal_threads: HashMap::new(),
+            kernel_names: HashMap::new(),
         }
     }
 
@@ -650,6 +654,33 @@ impl SamplerLoop {
         self.buffers.stacks = stacks;
     }
 
+    /// Tells the CLI the kernel's name for `tid` (`comm`), which labels the
+    /// thread when the program never named it, and again if it changed
+    /// soon after.
+    fn note_kernel_name(&mut self, tid: u32, now: Instant) {
+        if tid == 0 {
+            return;
+        }
+        if self.kernel_names.len() >= CACHE_CAP {
+            self.kernel_names.clear();
+            self.own_cache_resets += 1;
+        }
+        let fresh = match self.kernel_names.get(&tid) {
+            None => true,
+            Some((first, _)) => now.duration_since(*first) < KERNEL_NAME_SETTLE,
+        };
+        if !fresh {
+            return;
+        }
+        let Some(name) = os_thread_name(tid) else { return };
+        let first = self.kernel_names.get(&tid).map_or(now, |e| e.0);
+        if self.kernel_names.get(&tid).is_some_and(|e| e.1 == name) {
+            return;
+        }
+        self.kernel_names.insert(tid, (first, name.clone()));
+        self.channel.queue(&Message::OsThreadName { os_tid: tid, name });
+    }
+
     /// Drains the signal engine and sends what it took. `true` if any sample
     /// went out.
     fn collect_signal_samples(&mut self, announced: bool) -> bool {
@@ -682,34 +713,24 @@ impl SamplerLoop {
         }
         // Every thread goes by its OS thread id here: a managed thread can
         // be sampled before the runtime has told us which OS thread it is.
-        // Its name is the one the program gave it; a thread the runtime does
-        // not manage is named by the kernel (`.NET Server GC`, `.NET Tiered
-        // Com`), once it has stayed unmanaged past its start. A name first
-        // sent empty is filled in place later, so early samples keep it.
+        // Its name is the one the program gave it, sent empty until known
+        // (the profile fills it in place); the kernel's name for the thread
+        // labels it meanwhile, and for good if the program never names it.
         let names = self.shared.threads.names_by_os_tid();
         let now = Instant::now();
         let mut tids: Vec<u32> = samples.iter().map(|s| s.os_tid).collect();
         tids.sort_unstable();
         tids.dedup();
         for tid in tids {
-            let entry = self.signal_threads.entry(tid).or_insert_with(|| (now, None, false));
-            let registered = names.get(&tid);
-            entry.2 |= registered.is_some();
-            if registered.is_none() && (entry.2 || entry.1.as_ref().is_some_and(|n| !n.is_empty())) {
-                // A thread leaving (the runtime forgot it first) keeps its
-                // name to its last sample.
+            self.note_kernel_name(tid, now);
+            let entry = self.signal_threads.entry(tid).or_insert(None);
+            let name = names.get(&tid).cloned().unwrap_or_default();
+            // A leaving thread (the runtime forgot it first) keeps its name.
+            if name.is_empty() && entry.is_some() {
                 continue;
             }
-            let name = match registered {
-                // Names given before we attached were never announced to us;
-                // the runtime also names the OS thread (15 bytes of it).
-                Some(name) if name.is_empty() && self.shared.attached => os_thread_name(tid).unwrap_or_default(),
-                Some(name) => name.clone(),
-                None if now.duration_since(entry.0) >= THREAD_NAME_SETTLE => os_thread_name(tid).unwrap_or_default(),
-                None => String::new(),
-            };
-            if entry.1.as_ref() != Some(&name) && !(name.is_empty() && entry.1.is_some()) {
-                entry.1 = Some(name.clone());
+            if entry.as_ref() != Some(&name) {
+                *entry = Some(name.clone());
                 let key = corsnap_wire::NATIVE_THREAD_BIT | u64::from(tid);
                 self.channel.queue(&Message::Thread { thread_id: key, os_tid: tid, name });
             }
@@ -839,12 +860,13 @@ impl SamplerLoop {
                 updates.push((thread, version, os_tid, name));
             }
         });
-        for (thread, version, os_tid, mut name) in updates {
-            if name.is_empty() && self.shared.attached {
-                // Names given before we attached were never announced to us;
-                // the runtime also names the OS thread (15 bytes of it).
-                name = os_thread_name(os_tid).unwrap_or_default();
-            }
+        let now = Instant::now();
+        for (thread, version, os_tid, name) in updates {
+            // Names given before we attached were never announced to us, and
+            // some threads are never named by the program; the kernel's name
+            // for the thread (which the runtime sets, 15 bytes of it) labels
+            // them.
+            self.note_kernel_name(os_tid, now);
             self.sent_threads.insert(thread, (version, os_tid));
             self.channel.queue(&Message::Thread { thread_id: thread as u64, os_tid, name });
         }

@@ -55,6 +55,12 @@ impl ThreadRegistry {
 
     /// Calls `f` with each requested thread's entry (if known) under one
     /// short lock.
+    /// The OS thread a managed thread runs on, if the runtime has said.
+    pub fn os_tid_of(&self, thread: ThreadID) -> Option<u32> {
+        let entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        entries.get(&thread).map(|e| e.os_tid).filter(|&t| t != 0)
+    }
+
     /// The name of each OS thread that is a managed thread now (empty if
     /// the program never named it).
     pub fn names_by_os_tid(&self) -> HashMap<u32, String> {

@@ -82,6 +82,9 @@ impl ProfileBuilder {
                 let idx = self.profile.intern_thread(Thread { os_tid: *os_tid, name: name.clone() });
                 self.threads.insert(*thread_id, idx);
             }
+            Message::OsThreadName { os_tid, name } => {
+                self.profile.os_thread_names.insert(*os_tid, name.clone());
+            }
             Message::Function { function_id, name, module } => {
                 let native = function_id & corsnap_wire::NATIVE_FRAME_BIT != 0;
                 let idx = if native && self.native_frames == NativeFrames::Collapse {

@@ -107,6 +107,9 @@ pub struct Profile {
     pub threads: Vec<Thread>,
     pub samples: Vec<Sample>,
     pub gcs: Vec<GcRecord>,
+    /// The kernel's names for OS threads, for threads the program never
+    /// named.
+    pub os_thread_names: HashMap<u32, String>,
     frame_index: HashMap<Frame, FrameIdx>,
     stack_index: HashMap<Vec<FrameIdx>, StackIdx>,
     thread_index: HashMap<Thread, ThreadIdx>,
@@ -182,6 +185,16 @@ impl Profile {
     /// Total weight of all samples.
     pub fn total_weight(&self) -> u64 {
         self.samples.iter().map(|s| s.weight).sum()
+    }
+
+    /// A thread's label: its name, or else the kernel's name for its OS
+    /// thread, then its OS thread id (`worker-3 tid=1234`, `dotnet tid=1200`).
+    pub fn thread_label(&self, idx: ThreadIdx) -> String {
+        let thread = &self.threads[idx as usize];
+        match self.os_thread_names.get(&thread.os_tid) {
+            Some(kernel) if thread.name.is_empty() && !kernel.is_empty() => format!("{kernel} tid={}", thread.os_tid),
+            _ => thread.label(),
+        }
     }
 
     /// Frame names of a stack, root first: the order flame graphs draw.

@@ -21,13 +21,17 @@ const READ_FIELD: u64 = 0x500;
 const WORKER_RUN: u64 = 0x600;
 const DISPATCH: u64 = 0x700;
 const NATIVE: u64 = 0;
+/// Native frames as the signal engine names them.
+const QSORT: u64 = corsnap_wire::NATIVE_FRAME_BIT | 0x7f10_0000_4000;
+const MSORT: u64 = corsnap_wire::NATIVE_FRAME_BIT | 0x7f10_0000_5000;
 
 const MS: u64 = 1_000_000;
 
 /// Small, but with every shape the writers must get right: three threads
 /// (one unnamed), a nested generic name, a native run, a truncated stack,
 /// stacks repeated within and across threads, a weight above one, a name
-/// containing `;`, and samples that arrive out of time order.
+/// containing `;`, samples that arrive out of time order, named native frames
+/// between managed ones, and an unnamed thread labelled by the kernel's name.
 fn representative_profile() -> Profile {
     let mut builder = ProfileBuilder::new();
     let functions = [
@@ -52,6 +56,9 @@ fn representative_profile() -> Profile {
         Message::Thread { thread_id: MAIN_THREAD, os_tid: 4242, name: "main".into() },
         Message::Thread { thread_id: WORKER_THREAD, os_tid: 4250, name: "worker-3".into() },
         Message::Thread { thread_id: UNNAMED_THREAD, os_tid: 4251, name: String::new() },
+        Message::OsThreadName { os_tid: 4251, name: ".NET TP Worker".into() },
+        Message::Function { function_id: QSORT, name: "libc.so.6!qsort".into(), module: "libc.so.6".into() },
+        Message::Function { function_id: MSORT, name: "libc.so.6!msort_with_tmp".into(), module: "libc.so.6".into() },
     ];
     messages.extend(functions.iter().map(|&(function_id, name, module)| Message::Function {
         function_id,
@@ -76,6 +83,7 @@ fn representative_profile() -> Profile {
     builder.add_sample(35 * MS, WORKER_THREAD, false, &[ENTRY_SETTLE, LEDGER_POST, WORKER_RUN, DISPATCH], 1);
     builder.add_sample(40 * MS, MAIN_THREAD, false, &settle_in_main, 1);
     builder.add_sample(40 * MS, UNNAMED_THREAD, false, &[NATIVE, DISPATCH], 1);
+    builder.add_sample(50 * MS, MAIN_THREAD, false, &[READ_FIELD, MSORT, QSORT, LEDGER_POST, MAIN], 1);
     builder.finish()
 }
 

@@ -174,6 +174,9 @@ pub enum Message {
     /// A managed thread's identity, sent when first seen and whenever its OS
     /// thread or name changes.
     Thread { thread_id: u64, os_tid: u32, name: String },
+    /// The kernel's name for an OS thread (`comm`, 15 bytes: `.NET TP Worker`,
+    /// `dotnet`), which labels a thread the program never named.
+    OsThreadName { os_tid: u32, name: String },
     /// A `FunctionID` resolved to its readable name, sent once per id.
     Function { function_id: u64, name: String, module: String },
     /// One stack of one thread, leaf first; a `0` frame is a run of unmanaged
@@ -301,6 +304,7 @@ mod tag {
     pub const RECORDING: u8 = 8;
     pub const SNAPSHOT_END: u8 = 9;
     pub const GC: u8 = 10;
+    pub const OS_THREAD_NAME: u8 = 11;
 }
 
 /// Why bytes could not be turned into a message.
@@ -403,6 +407,11 @@ impl Message {
                 w.u32(*os_tid);
                 w.str(name);
             }
+            Message::OsThreadName { os_tid, name } => {
+                w.u8(tag::OS_THREAD_NAME);
+                w.u32(*os_tid);
+                w.str(name);
+            }
             Message::Function { function_id, name, module } => {
                 w.u8(tag::FUNCTION);
                 w.u64(*function_id);
@@ -465,6 +474,7 @@ impl Message {
             },
             tag::THREAD => Message::Thread { thread_id: r.u64()?, os_tid: r.u32()?, name: r.string()? },
             tag::FUNCTION => Message::Function { function_id: r.u64()?, name: r.string()?, module: r.string()? },
+            tag::OS_THREAD_NAME => Message::OsThreadName { os_tid: r.u32()?, name: r.string()? },
             tag::SAMPLE => {
                 let time_ns = r.u64()?;
                 let thread_id = r.u64()?;

@@ -79,6 +79,16 @@ pub fn run(options: &DumpOptions) -> Result<()> {
     Ok(())
 }
 
+/// The program's name for a thread, else the kernel's (as `record
+/// --threads` labels it).
+fn display_name(profile: &Profile, thread: &corsnap_profile::Thread) -> String {
+    if thread.name.is_empty() {
+        profile.os_thread_names.get(&thread.os_tid).cloned().unwrap_or_default()
+    } else {
+        thread.name.clone()
+    }
+}
+
 /// Threads in the order of their OS thread ids, each with its stack leaf first.
 fn threads_in_order(profile: &Profile) -> Vec<&corsnap_profile::Sample> {
     let mut samples: Vec<_> = profile.samples.iter().collect();
@@ -91,7 +101,8 @@ fn write_text(profile: &Profile, out: &mut impl Write) -> std::io::Result<()> {
     writeln!(out, "Process {}: {} (.NET {})", meta.pid, meta.command, meta.runtime_version)?;
     for sample in threads_in_order(profile) {
         let thread = &profile.threads[sample.thread as usize];
-        let name = if thread.name.is_empty() { String::new() } else { format!(" \"{}\"", thread.name) };
+        let name = display_name(profile, thread);
+        let name = if name.is_empty() { String::new() } else { format!(" \"{name}\"") };
         writeln!(out, "\nThread {}{name}", thread.os_tid)?;
         for &frame in &profile.stacks[sample.stack as usize] {
             let f = &profile.frames[frame as usize];
@@ -117,7 +128,7 @@ fn to_json(profile: &Profile) -> String {
                     serde_json::json!({ "name": f.name, "module": f.module })
                 })
                 .collect();
-            serde_json::json!({ "os_tid": t.os_tid, "name": t.name, "frames": frames })
+            serde_json::json!({ "os_tid": t.os_tid, "name": display_name(profile, t), "frames": frames })
         })
         .collect();
     serde_json::json!({

@@ -24,6 +24,53 @@ impl OutputFormat {
             OutputFormat::Raw => "corsnap",
         }
     }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            OutputFormat::Rendered(f) => f.name(),
+            OutputFormat::Raw => "raw",
+        }
+    }
+
+    /// The format a file name's extension says, if it says one.
+    pub fn from_path(path: &Path) -> Option<OutputFormat> {
+        let name = path.file_name()?.to_string_lossy().to_ascii_lowercase();
+        let ends = |ext: &str| name.len() > ext.len() && name.ends_with(ext);
+        Some(if ends(".svg") {
+            OutputFormat::Rendered(Format::Flamegraph)
+        } else if ends(".json") {
+            OutputFormat::Rendered(Format::Speedscope)
+        } else if ends(".txt") || ends(".collapsed") || ends(".folded") {
+            OutputFormat::Rendered(Format::Collapsed)
+        } else if ends(".pb.gz") || ends(".pprof") || ends(".pb") {
+            OutputFormat::Rendered(Format::Pprof)
+        } else if ends(".corsnap") {
+            OutputFormat::Raw
+        } else {
+            return None;
+        })
+    }
+
+    /// The format to write: `--format` if given, else what the output
+    /// file's extension says, else a flame graph. A `--format` that the
+    /// extension contradicts is refused rather than written under a
+    /// misleading name.
+    pub fn resolve(explicit: Option<OutputFormat>, output: Option<&Path>) -> Result<OutputFormat> {
+        let implied = output.and_then(OutputFormat::from_path);
+        match (explicit, implied) {
+            (Some(f), Some(g)) if f != g => anyhow::bail!(
+                "the output file {} is named like a {} file, but --format {} was given: drop one of them or make \
+                 them agree ({} files end in .{})",
+                output.map(|p| p.display().to_string()).unwrap_or_default(),
+                g.name(),
+                f.name(),
+                f.name(),
+                f.extension()
+            ),
+            (Some(f), _) | (None, Some(f)) => Ok(f),
+            (None, None) => Ok(OutputFormat::Rendered(Format::Flamegraph)),
+        }
+    }
 }
 
 impl FromStr for OutputFormat {
@@ -36,32 +83,55 @@ impl FromStr for OutputFormat {
     }
 }
 
-/// An output file, created up front so a path that cannot be written is
-/// refused before the program starts, not after the recording.
+/// An output file. A temporary file beside it is created up front, so a path
+/// that cannot be written is refused before the program starts, not after
+/// the recording; the profile is written there and renamed into place only
+/// when complete, so an interrupted run never leaves an empty or half-written
+/// file under the output's name.
 #[derive(Debug)]
 pub struct OutputFile {
     pub path: PathBuf,
-    file: File,
+    temp: PathBuf,
+    file: Option<File>,
 }
 
 impl OutputFile {
     pub fn create(path: &Path) -> Result<OutputFile> {
-        let file = File::create(path)
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let temp = path.with_file_name(format!(".{name}.corsnap-{}.tmp", std::process::id()));
+        let file = File::create(&temp)
             .with_context(|| format!("cannot write the output file {}: choose another path with -o", path.display()))?;
-        Ok(OutputFile { path: path.to_path_buf(), file })
+        Ok(OutputFile { path: path.to_path_buf(), temp, file: Some(file) })
     }
 
-    pub fn into_writer(self) -> BufWriter<File> {
-        BufWriter::new(self.file)
-    }
-
-    pub fn write_profile(self, profile: &Profile, format: Format, threads: bool) -> Result<()> {
+    /// Writes the file's contents with `write`, then puts it in place.
+    pub fn write_with(mut self, write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Result<()> {
         let path = self.path.clone();
-        let mut out = self.into_writer();
-        let options = WriteOptions { threads, title: String::new() };
-        writer_for(format).write(profile, &options, &mut out).with_context(|| format!("writing {}", path.display()))?;
-        out.flush().with_context(|| format!("writing {}", path.display()))?;
+        let file = self.file.take().expect("an output file is written once");
+        let mut out = BufWriter::new(file);
+        write(&mut out).and_then(|()| out.flush()).with_context(|| format!("writing {}", path.display()))?;
+        drop(out);
+        std::fs::rename(&self.temp, &self.path).with_context(|| format!("writing {}", path.display()))?;
         Ok(())
+    }
+
+    pub fn write_profile(self, profile: &Profile, format: Format, options: &WriteOptions) -> Result<()> {
+        self.write_with(|out| writer_for(format).write(profile, options, out))
+    }
+
+    /// Removes the temporary file: nothing will be written.
+    pub fn discard(mut self) {
+        self.file = None;
+        let _ = std::fs::remove_file(&self.temp);
+    }
+}
+
+impl Drop for OutputFile {
+    fn drop(&mut self) {
+        // Dropped unwritten (an error on the way): leave nothing behind.
+        if self.file.is_some() {
+            let _ = std::fs::remove_file(&self.temp);
+        }
     }
 }
 
@@ -83,12 +153,7 @@ impl Outputs {
             for &kind in kinds {
                 match OutputFile::create(&path_for_kind(path, kind)) {
                     Ok(f) => files.push((Some(kind), f)),
-                    Err(e) => {
-                        for (_, f) in &files {
-                            let _ = std::fs::remove_file(&f.path);
-                        }
-                        return Err(e);
-                    }
+                    Err(e) => return Err(e),
                 }
             }
         } else {
@@ -101,10 +166,10 @@ impl Outputs {
         self.files.iter().map(|(_, f)| f.path.clone()).collect()
     }
 
-    /// Deletes the files: nothing was recorded into them.
-    pub fn remove_all(&self) {
-        for (_, f) in &self.files {
-            let _ = std::fs::remove_file(&f.path);
+    /// Deletes the temporary files: nothing was recorded into them.
+    pub fn remove_all(self) {
+        for (_, f) in self.files {
+            f.discard();
         }
     }
 
@@ -115,18 +180,18 @@ impl Outputs {
 
     /// Writes each file: a kind's profile, or (for a single file) the whole
     /// profile, or its only kind for single-profile formats.
-    pub fn write(self, profile: &Profile, threads: bool) -> Result<()> {
+    pub fn write(self, profile: &Profile, options: &WriteOptions) -> Result<()> {
         let OutputFormat::Rendered(format) = self.format else {
             anyhow::bail!("raw recordings are written as they arrive");
         };
         for (kind, file) in self.files {
             match kind {
-                Some(kind) => file.write_profile(&profile.only(kind), format, threads)?,
-                None if format.holds_many_kinds() => file.write_profile(profile, format, threads)?,
+                Some(kind) => file.write_profile(&profile.only(kind), format, options)?,
+                None if format.holds_many_kinds() => file.write_profile(profile, format, options)?,
                 None => {
                     let kinds = profile.kinds();
                     let only = if kinds.len() == 1 { profile.only(kinds[0]) } else { profile.clone() };
-                    file.write_profile(&only, format, threads)?
+                    file.write_profile(&only, format, options)?
                 }
             }
         }
@@ -156,5 +221,25 @@ mod tests {
             PathBuf::from("run.exceptions.speedscope.json")
         );
         assert_eq!(path_for_kind(Path::new("out"), EventKind::Gc), PathBuf::from("out.gc"));
+    }
+
+    #[test]
+    fn the_extension_chooses_the_format_and_a_contradiction_is_refused() {
+        let f = |p: &str| OutputFormat::from_path(Path::new(p));
+        assert_eq!(f("p.json"), Some(OutputFormat::Rendered(Format::Speedscope)));
+        assert_eq!(f("p.speedscope.json"), Some(OutputFormat::Rendered(Format::Speedscope)));
+        assert_eq!(f("p.SVG"), Some(OutputFormat::Rendered(Format::Flamegraph)));
+        assert_eq!(f("p.txt"), Some(OutputFormat::Rendered(Format::Collapsed)));
+        assert_eq!(f("p.pb.gz"), Some(OutputFormat::Rendered(Format::Pprof)));
+        assert_eq!(f("run.corsnap"), Some(OutputFormat::Raw));
+        assert_eq!(f("profile"), None);
+        let resolve = |explicit: Option<&str>, path: Option<&str>| {
+            OutputFormat::resolve(explicit.map(|e| e.parse().unwrap()), path.map(Path::new))
+        };
+        assert_eq!(resolve(None, Some("p.json")).unwrap(), OutputFormat::Rendered(Format::Speedscope));
+        assert_eq!(resolve(None, None).unwrap(), OutputFormat::Rendered(Format::Flamegraph));
+        assert_eq!(resolve(Some("collapsed"), Some("p.out")).unwrap(), OutputFormat::Rendered(Format::Collapsed));
+        let err = resolve(Some("flamegraph"), Some("p.json")).unwrap_err().to_string();
+        assert!(err.contains("named like a speedscope file") && err.contains("--format flamegraph"), "{err}");
     }
 }

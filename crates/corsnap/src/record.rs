@@ -5,8 +5,6 @@ use std::ffi::OsString;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, ExitStatus};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
@@ -48,6 +46,20 @@ pub struct RecordOptions {
     pub sampler: SamplerKind,
     /// Whether native frames are shown one by one.
     pub native: NativeFrames,
+    /// Flame graph title (empty: the command).
+    pub title: String,
+    /// Icicle flame graphs.
+    pub inverted: bool,
+}
+
+impl RecordOptions {
+    pub fn write_options(&self) -> corsnap_profile::writers::WriteOptions {
+        corsnap_profile::writers::WriteOptions {
+            threads: self.threads,
+            title: self.title.clone(),
+            inverted: self.inverted,
+        }
+    }
 }
 
 /// The collections, as totals per generation and a list.
@@ -113,13 +125,32 @@ impl Process {
     }
 }
 
-/// Installs the Ctrl-C handler once; the flag says whether Ctrl-C was pressed.
-pub fn interrupted_flag() -> Result<Arc<AtomicBool>> {
-    let flag = Arc::new(AtomicBool::new(false));
-    let set = flag.clone();
-    // The program gets the terminal's Ctrl-C too; corsnap only stops recording.
-    ctrlc::set_handler(move || set.store(true, Ordering::SeqCst)).context("installing the Ctrl-C handler")?;
-    Ok(flag)
+/// The signals that stop a recording: SIGINT (Ctrl-C), SIGTERM (`timeout`,
+/// `kill`, a service manager) and SIGHUP (a closed terminal). The first
+/// stops recording and the profile is written; another, a second or more
+/// later, exits at once (`corsnap_abi::os::install_stop_handlers`).
+#[derive(Debug, Clone, Copy)]
+pub struct StopSignals;
+
+impl StopSignals {
+    pub fn install() -> Result<StopSignals> {
+        corsnap_abi::os::install_stop_handlers().context("installing signal handlers")?;
+        Ok(StopSignals)
+    }
+
+    pub fn stopped(&self) -> bool {
+        corsnap_abi::os::stop_requested().is_some()
+    }
+
+    /// Why recording stopped, and the signal to pass on to a program corsnap
+    /// started (Ctrl-C reaches it from the terminal by itself).
+    pub fn reason(&self) -> (&'static str, Option<i32>) {
+        match corsnap_abi::os::stop_requested() {
+            Some(15) => ("SIGTERM", Some(15)),
+            Some(1) => ("SIGHUP", Some(1)),
+            _ => ("interrupted", None),
+        }
+    }
 }
 
 pub fn run(options: &RecordOptions) -> Result<ExitCode> {
@@ -127,10 +158,13 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     let agent = find_agent(options.agent_path.as_deref())?;
     let name = match &options.target {
         Target::Launch(program) => {
-            let first = program.first().context("no program given: corsnap record -- dotnet app.dll")?;
-            Path::new(first).file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "program".into())
+            program.first().context("no program given: corsnap record -- dotnet app.dll")?;
+            program_name(program.iter().map(|a| a.to_string_lossy().into_owned()))
         }
-        Target::Attach(pid) => format!("pid{pid}"),
+        Target::Attach(pid) => {
+            let command = process_command_line(*pid);
+            format!("{}-pid{pid}", program_name(command.split(' ').map(str::to_string)))
+        }
     };
     let output_path = options.output.clone().unwrap_or_else(|| default_output_name(&name, options.format));
     if let Target::Attach(pid) = options.target {
@@ -139,14 +173,22 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
         crate::diagnostics::find_socket(pid)?;
     }
     let outputs = Outputs::create(&output_path, options.format, &options.events)?;
-    let cleanup_output = |e: anyhow::Error| {
-        outputs.remove_all();
-        e
-    };
-    let listener = Listener::new().map_err(cleanup_output)?;
-    let interrupted = interrupted_flag()?;
+    // On any error from here on, dropping `outputs` removes its temporary
+    // files: nothing is left under the output's name.
+    let listener = Listener::new()?;
+    let interrupted = StopSignals::install()?;
     let (mut process, mut connection, command_line) = match &options.target {
-        Target::Launch(program) => launch(program, &agent, &listener, options, &interrupted).map_err(cleanup_output)?,
+        Target::Launch(program) => match launch(program, &agent, &listener, options, &interrupted) {
+            Ok(launched) => launched,
+            Err(e) => {
+                if let Some(early) = e.downcast_ref::<ProgramEndedEarly>() {
+                    eprintln!("corsnap: error: {early}");
+                    outputs.remove_all();
+                    return Ok(ProgramExit(early.code).into_exit_code());
+                }
+                return Err(e);
+            }
+        },
         Target::Attach(pid) => {
             let request = AttachRequest {
                 socket: listener.socket_path().to_string_lossy().into_owned(),
@@ -156,7 +198,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                 log: options.agent_log.as_deref().map(|p| absolute(p).to_string_lossy().into_owned()),
                 sampler: options.sampler,
             };
-            let connection = attach(*pid, &agent, &listener, &request).map_err(cleanup_output)?;
+            let connection = attach(*pid, &agent, &listener, &request)?;
             (Process::Attached { pid: *pid }, connection, process_command_line(*pid))
         }
     };
@@ -215,8 +257,13 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                 }
             }
         }
-        if interrupted.load(Ordering::SeqCst) {
-            break "interrupted".to_string();
+        if interrupted.stopped() {
+            let (why, forward) = interrupted.reason();
+            if let (Some(signal), Process::Child { child, exited: None }) = (forward, &process) {
+                // corsnap stands in for the program: it gets the signal too.
+                let _ = corsnap_abi::os::send_signal(child.id(), signal);
+            }
+            break why.to_string();
         }
         if options.duration.is_some_and(|d| started.elapsed() >= d) {
             break "duration reached".to_string();
@@ -229,7 +276,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
             agent_gone = true;
             break "the process exited".to_string();
         }
-        status.show(started.elapsed(), builder.sample_count(), builder.thread_count());
+        status.show(started.elapsed(), options.duration, builder.sample_count(), builder.thread_count());
     };
     let stopped_at = invoked.elapsed();
     if !agent_gone {
@@ -271,12 +318,14 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     let profile = builder.finish();
     match raw {
         Some(raw) => raw.finish(outputs.into_single())?,
-        None => outputs.write(&profile, options.threads)?,
+        None => outputs.write(&profile, &options.write_options())?,
     }
     let paths: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
     eprintln!(
-        "corsnap: wrote {} ({samples} samples from {threads} threads; recording ended: {stop_reason})",
-        paths.join(", ")
+        "corsnap: wrote {} ({} from {}; recording ended: {stop_reason})",
+        paths.join(", "),
+        plural(samples, "sample"),
+        plural(threads, "thread")
     );
     if options.events.contains(&EventKind::Gc) {
         eprint!("{}", describe_gcs(&profile.gcs));
@@ -310,7 +359,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     }
     match &mut process {
         Process::Child { child, exited } => {
-            if exited.is_none() && !interrupted.load(Ordering::SeqCst) && options.duration.is_some() {
+            if exited.is_none() && !interrupted.stopped() && options.duration.is_some() {
                 eprintln!("corsnap: recording stopped; waiting for the program to exit");
             }
             Ok(wait_for(child, *exited).into_exit_code())
@@ -326,7 +375,7 @@ fn launch(
     agent: &Path,
     listener: &Listener,
     options: &RecordOptions,
-    interrupted: &AtomicBool,
+    interrupted: &StopSignals,
 ) -> Result<(Process, AgentConnection, String)> {
     let first = &program[0];
     let mut command = Command::new(first);
@@ -346,36 +395,92 @@ fn launch(
     let mut child = command.spawn().with_context(|| format!("cannot run {}", first.to_string_lossy()))?;
     let command_line = program.iter().map(|a| a.to_string_lossy().into_owned()).collect::<Vec<_>>().join(" ");
     let mut exited = None;
-    let connection = listener.accept_from(child.id(), || {
-        if interrupted.load(Ordering::SeqCst) {
+    let pid = child.id();
+    let started = Instant::now();
+    let mut runtime_seen = false;
+    let mut last_look = started;
+    let mut warned = false;
+    let name = first.to_string_lossy().into_owned();
+    let connection = listener.accept_from(pid, || {
+        if interrupted.stopped() {
             return Some("interrupted before the program loaded the agent".to_string());
+        }
+        // Watch for the runtime: its library in the program's memory, or its
+        // diagnostics socket (a single-file program has the runtime linked in).
+        if !runtime_seen && last_look.elapsed() >= Duration::from_millis(50) {
+            last_look = Instant::now();
+            runtime_seen = runtime_started(pid);
         }
         match child.try_wait() {
             Ok(Some(status)) => {
                 exited = Some(status);
-                Some(format!(
-                    "{} exited ({}) without loading the corsnap agent. corsnap profiles .NET programs on \
-                     .NET Core 3.0 or later (e.g. `corsnap record -- dotnet app.dll`); if this is one, check that \
-                     nothing in its environment turns profiling off (CORECLR_ENABLE_PROFILING=0) and that \
-                     {} is readable",
-                    first.to_string_lossy(),
-                    describe_status(status),
-                    agent.display()
-                ))
+                runtime_seen |= runtime_started(pid);
+                Some(if runtime_seen {
+                    format!(
+                        "{name} started the .NET runtime but exited ({}) before loading the corsnap agent: profiling \
+                         may be switched off in its environment (CORECLR_ENABLE_PROFILING=0), the runtime may be older \
+                         than .NET Core 3.0, or the agent failed to start (--agent-log FILE says why)",
+                        describe_status(status)
+                    )
+                } else if Path::new(&name).file_name().is_some_and(|n| n == "dotnet") {
+                    format!(
+                        "the .NET host ({name}) exited ({}) before starting the runtime: see its message above",
+                        describe_status(status)
+                    )
+                } else {
+                    format!(
+                        "{name} exited ({}) without starting the .NET runtime: corsnap profiles .NET programs \
+                         (`corsnap record -- dotnet app.dll`, or a .NET application's own executable)",
+                        describe_status(status)
+                    )
+                })
             }
-            _ => None,
+            _ => {
+                if !runtime_seen && !warned && started.elapsed() >= Duration::from_secs(2) {
+                    warned = true;
+                    eprintln!(
+                        "corsnap: warning: {name} has not started the .NET runtime after 2 s; corsnap profiles .NET \
+                         programs, and will start recording if it does"
+                    );
+                }
+                None
+            }
         }
     });
     match connection {
         Ok(c) => Ok((Process::Child { child, exited: None }, c, command_line)),
-        Err(e) => {
-            if exited.is_none() {
+        Err(e) => match exited {
+            // The program ran, and its exit code is the user's: pass it on.
+            Some(status) => Err(ProgramEndedEarly { message: format!("{e:#}"), code: exit_code_of(status) }.into()),
+            None => {
                 let _ = child.kill();
                 let _ = child.wait();
+                Err(e)
             }
-            Err(e)
-        }
+        },
     }
+}
+
+/// The program corsnap started ended before the agent connected; `code` is
+/// its exit code, which corsnap exits with.
+#[derive(Debug)]
+pub struct ProgramEndedEarly {
+    pub message: String,
+    pub code: i32,
+}
+
+impl std::fmt::Display for ProgramEndedEarly {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for ProgramEndedEarly {}
+
+/// Whether process `pid` has started the .NET runtime.
+fn runtime_started(pid: u32) -> bool {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    maps.contains("libcoreclr.so") || maps.contains("libhostfxr.so") || crate::diagnostics::find_socket(pid).is_ok()
 }
 
 /// Attaches the agent to a running process through its diagnostics socket
@@ -483,6 +588,15 @@ pub fn describe_stats(s: &corsnap_wire::SamplerStats) -> String {
     )
 }
 
+/// `1 thread`, `2 threads`.
+pub fn plural(n: usize, word: &str) -> String {
+    if n == 1 {
+        format!("1 {word}")
+    } else {
+        format!("{n} {word}s")
+    }
+}
+
 /// The program's exit, passed through as ours.
 #[derive(Debug, Clone, Copy)]
 struct ProgramExit(i32);
@@ -549,44 +663,111 @@ fn unix_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64
 }
 
-/// `corsnap-dotnet-1795381103.svg`: the program's name (or `pid1234`) and
-/// the start time.
+/// `corsnap-Sarif.Multitool-2026-11-23_10-56-47.svg`: the program's name and
+/// the local start time.
 fn default_output_name(name: &str, format: OutputFormat) -> PathBuf {
-    PathBuf::from(format!("corsnap-{name}-{}.{}", unix_ms() / 1000, format.extension()))
+    PathBuf::from(format!("corsnap-{name}-{}.{}", corsnap_abi::os::local_timestamp(), format.extension()))
+}
+
+/// What to call a program in a file name: for `dotnet app.dll`, `app`; else
+/// the executable's whole file name (`Sarif.Multitool`), with `.dll` or
+/// `.exe` taken off.
+pub fn program_name(mut words: impl Iterator<Item = String>) -> String {
+    let first = words.next().unwrap_or_default();
+    let base = |w: &str| Path::new(w).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut name = base(&first);
+    if name == "dotnet" {
+        if let Some(dll) = words.find(|w| w.ends_with(".dll")) {
+            name = base(&dll);
+        }
+    }
+    for ext in [".dll", ".exe"] {
+        if let Some(stripped) = name.strip_suffix(ext) {
+            name = stripped.to_string();
+        }
+    }
+    let name: String = name.chars().map(|c| if c.is_alphanumeric() || "._-".contains(c) { c } else { '_' }).collect();
+    if name.is_empty() {
+        "program".to_string()
+    } else {
+        name
+    }
 }
 
 /// A live line on stderr while recording, only when stderr is a terminal.
+///
+/// The program writes to the same terminal, and corsnap cannot see when: so
+/// the line gets a row of its own. The terminal's scrolling region is set to
+/// every row but the last, the program's output scrolls above, and the line
+/// is drawn on the last row; the region is reset when recording ends. On a
+/// terminal that does not say its size, the line is drawn in place as a
+/// fallback.
 struct StatusLine {
     enabled: bool,
     last: Option<Instant>,
     shown: bool,
+    /// Rows of the terminal when the scrolling region was set.
+    rows: Option<u16>,
 }
 
 impl StatusLine {
     fn new() -> Self {
-        StatusLine { enabled: std::io::stderr().is_terminal(), last: None, shown: false }
+        StatusLine { enabled: std::io::stderr().is_terminal(), last: None, shown: false, rows: None }
     }
 
-    fn show(&mut self, elapsed: Duration, samples: usize, threads: usize) {
+    fn show(&mut self, elapsed: Duration, limit: Option<Duration>, samples: usize, threads: usize) {
         if !self.enabled || self.last.is_some_and(|t| t.elapsed() < Duration::from_millis(250)) {
             return;
         }
         self.last = Some(Instant::now());
-        self.shown = true;
-        let mut err = std::io::stderr().lock();
-        let _ = write!(
-            err,
-            "\r\x1b[Kcorsnap: recording {:.1}s, {samples} samples, {threads} threads (Ctrl-C to stop)",
-            elapsed.as_secs_f64()
+        let time = match limit {
+            Some(d) => format!("{:.1} s of {:.0} s", elapsed.as_secs_f64(), d.as_secs_f64()),
+            None => format!("{:.1} s", elapsed.as_secs_f64()),
+        };
+        let text = format!(
+            "corsnap: recording {time}, {}, {} (Ctrl-C to stop)",
+            plural(samples, "sample"),
+            plural(threads, "thread")
         );
+        let mut err = std::io::stderr().lock();
+        let rows = corsnap_abi::os::terminal_size(2).map(|(r, _)| r).filter(|&r| r >= 3);
+        match rows {
+            Some(rows) => {
+                if self.rows != Some(rows) {
+                    // Make room, then keep the last row for this line: save
+                    // the cursor, set the region (which homes the cursor),
+                    // put the cursor back.
+                    if self.rows.is_none() {
+                        let _ = write!(err, "\n\x1b[1A");
+                    }
+                    let _ = write!(err, "\x1b7\x1b[1;{}r\x1b8", rows - 1);
+                    self.rows = Some(rows);
+                }
+                let _ = write!(err, "\x1b7\x1b[{rows};1H\x1b[2K{text}\x1b8");
+            }
+            None => {
+                let _ = write!(err, "\r\x1b[K{text}");
+            }
+        }
+        self.shown = true;
         let _ = err.flush();
     }
 
     fn clear(&mut self) {
-        if self.shown {
-            let _ = write!(std::io::stderr(), "\r\x1b[K");
-            self.shown = false;
+        if !self.shown {
+            return;
         }
+        let mut err = std::io::stderr().lock();
+        match self.rows.take() {
+            Some(rows) => {
+                let _ = write!(err, "\x1b7\x1b[r\x1b[{rows};1H\x1b[2K\x1b8");
+            }
+            None => {
+                let _ = write!(err, "\r\x1b[K");
+            }
+        }
+        let _ = err.flush();
+        self.shown = false;
     }
 }
 
@@ -609,8 +790,6 @@ impl RawRecorder {
     }
 
     fn finish(self, output: OutputFile) -> Result<()> {
-        let path = output.path.clone();
-        let mut out = output.into_writer();
-        out.write_all(&self.buffer).and_then(|()| out.flush()).with_context(|| format!("writing {}", path.display()))
+        output.write_with(|out| out.write_all(&self.buffer))
     }
 }

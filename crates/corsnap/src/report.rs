@@ -14,16 +14,23 @@ use crate::output::{OutputFormat, Outputs};
 #[derive(Debug, Clone)]
 pub struct ReportOptions {
     pub input: PathBuf,
-    pub output: PathBuf,
-    pub format: OutputFormat,
+    pub output: Option<PathBuf>,
+    pub format: Option<OutputFormat>,
     pub threads: bool,
+    pub title: String,
+    pub inverted: bool,
     pub native: corsnap_profile::NativeFrames,
 }
 
 pub fn run(options: &ReportOptions) -> Result<()> {
-    let OutputFormat::Rendered(format) = options.format else {
-        bail!("the input is already raw: choose --format flamegraph, speedscope or collapsed");
+    let format = match OutputFormat::resolve(options.format, options.output.as_deref())? {
+        OutputFormat::Rendered(format) => format,
+        OutputFormat::Raw => {
+            bail!("the input is already a raw recording: choose --format flamegraph, speedscope, collapsed or pprof")
+        }
     };
+    // Next to the input, named after it: run.corsnap -> run.svg.
+    let output = options.output.clone().unwrap_or_else(|| options.input.with_extension(format.extension()));
     let file = File::open(&options.input).with_context(|| format!("cannot open {}", options.input.display()))?;
     let mut input = BufReader::new(file);
     read_raw_header(&mut input).with_context(|| format!("reading {}", options.input.display()))?;
@@ -49,9 +56,14 @@ pub fn run(options: &ReportOptions) -> Result<()> {
     let samples = builder.sample_count();
     let profile = builder.finish();
     let kinds = profile.kinds();
-    let outputs = Outputs::create(&options.output, OutputFormat::Rendered(format), &kinds)?;
+    let outputs = Outputs::create(&output, OutputFormat::Rendered(format), &kinds)?;
     let paths: Vec<String> = outputs.paths().iter().map(|p| p.display().to_string()).collect();
-    outputs.write(&profile, options.threads)?;
+    let write_options = corsnap_profile::writers::WriteOptions {
+        threads: options.threads,
+        title: options.title.clone(),
+        inverted: options.inverted,
+    };
+    outputs.write(&profile, &write_options)?;
     eprintln!("corsnap: wrote {} ({samples} samples)", paths.join(", "));
     Ok(())
 }

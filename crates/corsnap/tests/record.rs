@@ -451,8 +451,9 @@ fn ctrl_c_stops_the_recording_and_writes_what_was_collected() {
 fn a_terminal_gets_a_live_status_line_and_a_pipe_does_not() {
     let dir = scratch("status-line");
     let out = dir.join("p.txt");
+    // A terminal of 24 rows: the line gets the last one to itself.
     let cmd = format!(
-        "{} record -f collapsed -o {} -- {} {} 1",
+        "stty rows 24 cols 120; {} record -f collapsed -o {} -- {} {} 1",
         support::corsnap_bin().display(),
         out.display(),
         Runtime::Net8.dotnet().display(),
@@ -462,7 +463,12 @@ fn a_terminal_gets_a_live_status_line_and_a_pipe_does_not() {
     let output = Command::new("script").args(["-qec", &cmd, "/dev/null"]).output().unwrap();
     let text = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{text}");
-    assert!(text.contains("corsnap: recording ") && text.contains(" samples, 1 threads (Ctrl-C to stop)"), "{text}");
+    assert!(text.contains("corsnap: recording ") && text.contains(" samples, 1 thread (Ctrl-C to stop)"), "{text}");
+    // Drawn on row 24 inside a scrolling region of rows 1-23, which is reset
+    // at the end; the program's own output is never on the line's row.
+    assert!(text.contains("\x1b[1;23r") && text.contains("\x1b[24;1H") && text.contains("\x1b[r"), "{text:?}");
+    let done = text.find("done ").expect("the program's output");
+    assert!(!text[..done].ends_with("(Ctrl-C to stop)"), "{text:?}");
     let piped = record(Runtime::Net8, "split", &["1"], &["-f", "collapsed", "-o", out.to_str().unwrap()], None);
     assert!(!String::from_utf8_lossy(&piped.stderr).contains("corsnap: recording "));
 }

@@ -243,7 +243,14 @@ fn blocked_threads_behave_as_without_corsnap_at_1000_hz() {
 fn a_program_that_takes_sigprof_for_itself_is_left_alone_with_a_warning() {
     let dir = scratch("signal-ownsignal");
     let out = dir.join("p.txt");
-    let output = record_with_env(Runtime::Net8, "ownsignal", &["2"], &["-f", "collapsed", "-o", out.to_str().unwrap()], &[], None);
+    let output = record_with_env(
+        Runtime::Net8,
+        "ownsignal",
+        &["2"],
+        &["-f", "collapsed", "-o", out.to_str().unwrap()],
+        &[],
+        None,
+    );
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
     assert!(String::from_utf8_lossy(&output.stdout).contains("done"), "the program ran to its end");

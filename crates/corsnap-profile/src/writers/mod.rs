@@ -85,6 +85,8 @@ pub struct WriteOptions {
     pub threads: bool,
     /// Title for formats that show one (flame graph title, speedscope name). Empty = a default built from meta.command.
     pub title: String,
+    /// Flame graphs drawn from the top down (icicle), roots at the top.
+    pub inverted: bool,
 }
 
 impl WriteOptions {
@@ -98,6 +100,13 @@ impl WriteOptions {
             format!("corsnap: {}", meta.command)
         }
     }
+}
+
+/// What a profile's weights count, for the tools that show a unit: the one
+/// kind of its samples, if there is just one.
+pub(crate) fn single_kind(profile: &Profile) -> Option<crate::EventKind> {
+    let kinds = profile.kinds();
+    (kinds.len() == 1).then(|| kinds[0])
 }
 
 pub trait ProfileWriter {
@@ -134,7 +143,7 @@ pub(crate) fn collapsed_stacks(profile: &Profile, options: &WriteOptions) -> BTr
     for ((thread, stack), weight) in weight_by_stack {
         line.clear();
         if let Some(thread) = thread {
-            push_collapsed_frame(&mut line, &profile.threads[thread as usize].label());
+            push_collapsed_frame(&mut line, &profile.thread_label(thread));
         }
         for name in profile.stack_names_root_first(stack) {
             push_collapsed_frame(&mut line, name);

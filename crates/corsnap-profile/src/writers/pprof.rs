@@ -115,7 +115,7 @@ impl Sites {
                 (strings.intern(&frame.name), strings.intern(&frame.module))
             }
             Site::NoFrames => (strings.intern(EMPTY_STACK_FRAME), 0),
-            Site::Thread(thread) => (strings.intern(&profile.threads[thread as usize].label()), 0),
+            Site::Thread(thread) => (strings.intern(&profile.thread_label(thread)), 0),
         };
         self.functions.push(proto::Function { id, name, system_name: name, filename: module, start_line: 0 });
         self.locations.push(proto::Location {
@@ -165,8 +165,7 @@ fn build(profile: &Profile, options: &WriteOptions) -> proto::Profile {
         let slot = kinds.iter().position(|&k| k == kind).expect("kinds() lists every sampled kind");
         value[slot] = to_i64(weight);
 
-        let label =
-            *thread_labels.entry(thread).or_insert_with(|| strings.intern(&profile.threads[thread as usize].label()));
+        let label = *thread_labels.entry(thread).or_insert_with(|| strings.intern(&profile.thread_label(thread)));
         samples.push(proto::Sample {
             location_id,
             value,

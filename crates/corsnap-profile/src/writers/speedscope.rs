@@ -30,6 +30,13 @@ impl ProfileWriter for SpeedscopeWriter {
 // which case it keeps insertion order; sorted insertion makes both the same,
 // so the bytes written never depend on what else is compiled in.
 fn speedscope_document(profile: &Profile, title: &str) -> Value {
+    // speedscope's units: time in nanoseconds, allocations in bytes, and
+    // plain counts for the rest.
+    let unit = match super::single_kind(profile) {
+        Some(crate::EventKind::Cpu | crate::EventKind::Gc) => "nanoseconds",
+        Some(crate::EventKind::Alloc) => "bytes",
+        _ => "none",
+    };
     let mut shared_frames = SharedFrames::new(profile);
     let profiles: Vec<Value> = samples_by_thread(profile)
         .into_iter()
@@ -50,11 +57,11 @@ fn speedscope_document(profile: &Profile, title: &str) -> Value {
             let total_weight = weights.iter().fold(0u64, |sum, &weight| sum.saturating_add(weight));
             json!({
                 "endValue": total_weight,
-                "name": profile.threads[thread].label(),
+                "name": profile.thread_label(thread as u32),
                 "samples": stacks,
                 "startValue": 0,
                 "type": "sampled",
-                "unit": "none",
+                "unit": unit,
                 "weights": weights,
             })
         })
