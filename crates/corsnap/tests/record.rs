@@ -141,18 +141,97 @@ fn program_stdio_and_exit_code_pass_through() {
 }
 
 #[test]
-fn a_program_that_is_not_dotnet_gets_a_clear_error() {
+fn a_program_that_is_not_dotnet_gets_a_clear_error_and_keeps_its_exit_code() {
     let dir = scratch("not-dotnet");
     let out = dir.join("p.svg");
-    let output = Command::new(support::corsnap_bin())
-        .args(["record", "-o", out.to_str().unwrap(), "--", "/bin/true"])
+    for (program, code) in [(&["/bin/true"][..], 0), (&["sh", "-c", "exit 7"][..], 7)] {
+        let output = Command::new(support::corsnap_bin())
+            .args(["record", "-o", out.to_str().unwrap(), "--"])
+            .args(program)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(code), "the program's own exit code: {stderr}");
+        assert!(stderr.contains("without starting the .NET runtime"), "{stderr}");
+        assert!(!out.exists(), "no empty profile is left behind");
+        let leftovers: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+        assert!(leftovers.is_empty(), "no temporary file is left behind: {leftovers:?}");
+    }
+    // Said while the program still runs, not only when it exits.
+    let started = std::time::Instant::now();
+    let mut child = Command::new(support::corsnap_bin())
+        .args(["record", "-o", out.to_str().unwrap(), "--", "sleep", "6"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut stderr, &mut first).unwrap();
+    assert!(first.contains("has not started the .NET runtime after 2 s"), "{first}");
+    assert!(started.elapsed().as_secs_f64() < 5.0, "the warning comes early: {:?}", started.elapsed());
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+#[test]
+fn sigterm_stops_the_recording_and_writes_what_was_collected() {
+    let dir = scratch("sigterm");
+    let out = dir.join("p.txt");
+    let dll = support::compiled("split", Runtime::Net8);
+    // `timeout` signals corsnap, and then its whole process group again.
+    let output = Command::new("timeout")
+        .args(["2", support::corsnap_bin().to_str().unwrap(), "record", "-o", out.to_str().unwrap(), "--"])
+        .arg(Runtime::Net8.dotnet())
+        .arg(&dll)
+        .arg("30")
+        .env("DOTNET_SYSTEM_GLOBALIZATION_INVARIANT", "1")
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success());
-    assert!(stderr.contains("without loading the corsnap agent"), "{stderr}");
-    assert!(stderr.contains(".NET"), "{stderr}");
-    assert!(!out.exists(), "no empty profile is left behind");
+    assert!(stderr.contains("recording ended: SIGTERM"), "{stderr}");
+    let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
+    assert!(count_with(&stacks, "Split.Heavy") > 0, "{}", describe(&stacks));
+    let leftovers: Vec<_> =
+        std::fs::read_dir(&dir).unwrap().filter_map(|e| e.ok()).filter(|e| e.path() != out).map(|e| e.path()).collect();
+    assert!(leftovers.is_empty(), "no temporary file is left behind: {leftovers:?}");
+}
+
+#[test]
+fn the_output_extension_chooses_the_format() {
+    let dir = scratch("extension");
+    let out = dir.join("p.json");
+    let output = record(Runtime::Net8, "split", &["1"], &["-o", out.to_str().unwrap()], None);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(json["profiles"][0]["unit"], "nanoseconds", "CPU time, in a unit speedscope shows");
+    let refused = record(Runtime::Net8, "split", &["1"], &["-o", out.to_str().unwrap(), "-f", "flamegraph"], None);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("named like a speedscope file"));
+}
+
+#[test]
+fn allocation_samples_carry_the_thread_that_allocated() {
+    let (stacks, _) = record_collapsed(Runtime::Net8, "allocthreads", "1.5", &["-e", "alloc", "--threads"]);
+    let on = |thread: &str, leaf: &str| -> u64 {
+        stacks
+            .iter()
+            .filter(|s| s.frames[0].starts_with(thread) && s.frames.last().map(String::as_str) == Some(leaf))
+            .map(|s| s.count)
+            .sum()
+    };
+    assert!(on("allocator tid=", "System.Byte[]") > 100_000_000, "{}", describe(&stacks));
+    let bytes_elsewhere: u64 = stacks
+        .iter()
+        .filter(|s| !s.frames[0].starts_with("allocator tid=") && s.frames.iter().any(|f| f == "Allocators.Bytes"))
+        .map(|s| s.count)
+        .sum();
+    assert_eq!(bytes_elsewhere, 0, "Bytes runs only on the allocator:\n{}", describe(&stacks));
+    let text_on_allocator: u64 = stacks
+        .iter()
+        .filter(|s| s.frames[0].starts_with("allocator tid=") && s.frames.iter().any(|f| f == "Allocators.Text"))
+        .map(|s| s.count)
+        .sum();
+    assert_eq!(text_on_allocator, 0, "Text runs only on the main thread:\n{}", describe(&stacks));
 }
 
 #[test]
