@@ -4,11 +4,13 @@
 #   scripts/example.sh [output.svg]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-busy.svg}"
+# Written under target/ (ignored by git) unless a path is given.
+out="${1:-target/examples/busy.svg}"
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 . "${CORSNAP_DEPS:-$HOME/.cache/corsnap}/env.sh"
 cargo build --release --workspace --quiet
 bash scripts/build-cs.sh examples/busy/Busy.cs target/examples 8
+mkdir -p "$(dirname "$out")"
 target/release/corsnap record --threads -o "$out" -- "$CORSNAP_DOTNET8" target/examples/Busy.dll 5
 echo "open $out in a browser"

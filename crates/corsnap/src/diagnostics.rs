@@ -297,10 +297,9 @@ pub fn decode_response(bytes: &[u8]) -> Result<i32, String> {
 pub fn explain_attach_failure(hr: i32) -> String {
     let what = match hr {
         hr::CORPROF_E_PROFILER_ALREADY_ACTIVE => "another profiler is already loaded in the process, and the runtime \
-             allows only one at a time. If it is corsnap from an earlier run that is still detaching, wait a few \
-             seconds and try again; if that run ended without detaching (it was killed), its agent stays loaded \
-             until the process restarts. Otherwise find the other profiler (the process's CORECLR_PROFILER \
-             variables, or an APM agent) and remove it"
+             allows only one at a time. If it is corsnap from an earlier run, it is still leaving (a run that was \
+             killed detaches its agent within a second or two): wait a few seconds and try again. Otherwise find \
+             the other profiler (the process's CORECLR_PROFILER variables, or an APM agent) and remove it"
             .to_string(),
         hr::DIAGIPC_E_UNKNOWN_COMMAND => {
             "this runtime is too old to attach a profiler: attach needs .NET Core 3.0 or later; \
