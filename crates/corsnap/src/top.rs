@@ -1,0 +1,463 @@
+//! `corsnap top`: a live view of where the time goes, refreshed every
+//! second (py-spy's `top`): the functions with the most samples, by their
+//! own share (the function itself was running) and their total share (it
+//! was on the stack), over the last interval and since the start.
+//!
+//! Keys: `s` changes the sort column, `t`/`T` step through the threads, `a`
+//! shows all threads again, `p` pauses the display, `q` (or Ctrl-C) quits;
+//! with `--pid` quitting detaches and leaves the process as it was.
+
+use std::collections::HashMap;
+use std::io;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use corsnap_profile::NativeFrames;
+use corsnap_wire::{AttachRequest, EventKind, Message, SamplerKind, NATIVE_FRAME_BIT};
+use ratatui::crossterm::event::{self, Event as KeyEvent, KeyCode, KeyEventKind, KeyModifiers};
+use ratatui::crossterm::execute;
+use ratatui::crossterm::terminal::{disable_raw_mode, enable_raw_mode, EnterAlternateScreen, LeaveAlternateScreen};
+use ratatui::layout::{Constraint, Layout};
+use ratatui::style::{Modifier, Style};
+use ratatui::text::Line;
+use ratatui::widgets::{Cell, Paragraph, Row, Table};
+use ratatui::{DefaultTerminal, Frame};
+
+use crate::record::{RecordOptions, StopSignals, Target};
+use crate::session::{AgentConnection, Event, Listener};
+
+#[derive(Debug, Clone)]
+pub struct TopOptions {
+    pub target: Target,
+    pub event: EventKind,
+    pub rate_hz: u32,
+    pub sampler: SamplerKind,
+    pub native: NativeFrames,
+    pub interval: Duration,
+    pub agent_path: Option<PathBuf>,
+}
+
+/// Weights of one function: as the leaf (own) and anywhere on the stack
+/// (total).
+#[derive(Debug, Clone, Copy, Default)]
+struct Weights {
+    own: u64,
+    total: u64,
+}
+
+/// Weights per thread and function, for one stretch of time.
+#[derive(Debug, Default)]
+struct Tally {
+    by_thread: HashMap<u64, HashMap<u64, Weights>>,
+    /// All weight seen per thread (the denominator of shares).
+    thread_totals: HashMap<u64, u64>,
+    samples: u64,
+}
+
+impl Tally {
+    fn add(&mut self, thread: u64, frames: &[u64], weight: u64) {
+        let functions = self.by_thread.entry(thread).or_default();
+        if let Some(&leaf) = frames.first() {
+            functions.entry(leaf).or_default().own += weight;
+        }
+        let mut seen: Vec<u64> = Vec::with_capacity(frames.len());
+        for &f in frames {
+            if !seen.contains(&f) {
+                seen.push(f);
+                functions.entry(f).or_default().total += weight;
+            }
+        }
+        *self.thread_totals.entry(thread).or_default() += weight;
+        self.samples += 1;
+    }
+
+    /// Each function's weights, over one thread or all of them, and the
+    /// weight they are shares of.
+    fn view(&self, thread: Option<u64>) -> (HashMap<u64, Weights>, u64) {
+        let mut out: HashMap<u64, Weights> = HashMap::new();
+        let mut all = 0;
+        for (&t, functions) in &self.by_thread {
+            if thread.is_some_and(|only| only != t) {
+                continue;
+            }
+            all += self.thread_totals.get(&t).copied().unwrap_or(0);
+            for (&f, w) in functions {
+                let e = out.entry(f).or_default();
+                e.own += w.own;
+                e.total += w.total;
+            }
+        }
+        (out, all)
+    }
+}
+
+/// What the table is sorted by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SortBy {
+    OwnNow,
+    TotalNow,
+    OwnAll,
+    TotalAll,
+}
+
+impl SortBy {
+    fn next(self) -> SortBy {
+        match self {
+            SortBy::OwnNow => SortBy::TotalNow,
+            SortBy::TotalNow => SortBy::OwnAll,
+            SortBy::OwnAll => SortBy::TotalAll,
+            SortBy::TotalAll => SortBy::OwnNow,
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            SortBy::OwnNow => "own, last interval",
+            SortBy::TotalNow => "total, last interval",
+            SortBy::OwnAll => "own, since start",
+            SortBy::TotalAll => "total, since start",
+        }
+    }
+}
+
+/// Everything the screen shows.
+struct View {
+    title: String,
+    event: EventKind,
+    native: NativeFrames,
+    names: HashMap<u64, String>,
+    threads: HashMap<u64, (u32, String)>,
+    kernel_names: HashMap<u32, String>,
+    /// The interval being collected, the last complete one, and all.
+    current: Tally,
+    last: Tally,
+    all: Tally,
+    sort: SortBy,
+    thread: Option<u64>,
+    paused: bool,
+    started: Instant,
+    note: Option<String>,
+}
+
+impl View {
+    fn apply(&mut self, msg: &Message) {
+        match msg {
+            Message::Function { function_id, name, .. } => {
+                let name = if function_id & NATIVE_FRAME_BIT != 0 && self.native == NativeFrames::Collapse {
+                    "[native code]".to_string()
+                } else {
+                    name.clone()
+                };
+                self.names.insert(*function_id, name);
+            }
+            Message::Thread { thread_id, os_tid, name } => {
+                let keep = name.is_empty() && self.threads.get(thread_id).is_some_and(|t| !t.1.is_empty());
+                if !keep {
+                    self.threads.insert(*thread_id, (*os_tid, name.clone()));
+                }
+            }
+            Message::OsThreadName { os_tid, name } => {
+                self.kernel_names.insert(*os_tid, name.clone());
+            }
+            Message::Sample { thread_id, kind, weight, frames, .. } if *kind == self.event => {
+                // Collapsed native runs: one frame for a run.
+                let frames: Vec<u64> = if self.native == NativeFrames::Collapse {
+                    let mut out: Vec<u64> = Vec::with_capacity(frames.len());
+                    for &f in frames {
+                        let native = f == 0 || f & NATIVE_FRAME_BIT != 0;
+                        let key = if native { 0 } else { f };
+                        if !(native && out.last() == Some(&0)) {
+                            out.push(key);
+                        }
+                    }
+                    out
+                } else {
+                    frames.clone()
+                };
+                self.current.add(*thread_id, &frames, *weight);
+                self.all.add(*thread_id, &frames, *weight);
+            }
+            Message::Notice { text, .. } => self.note = Some(text.clone()),
+            _ => {}
+        }
+    }
+
+    fn end_interval(&mut self) {
+        self.last = std::mem::take(&mut self.current);
+    }
+
+    fn thread_label(&self, thread: u64) -> String {
+        match self.threads.get(&thread) {
+            Some((tid, name)) if !name.is_empty() => format!("{name} tid={tid}"),
+            Some((tid, _)) => match self.kernel_names.get(tid) {
+                Some(kernel) => format!("{kernel} tid={tid}"),
+                None => format!("tid={tid}"),
+            },
+            None => format!("thread {thread:#x}"),
+        }
+    }
+
+    fn function_name(&self, f: u64) -> String {
+        match f {
+            0 => "[native code]".to_string(),
+            f => self.names.get(&f).cloned().unwrap_or_else(|| format!("[function {f:#x}]")),
+        }
+    }
+
+    /// Threads that have samples, in a stable order.
+    fn thread_list(&self) -> Vec<u64> {
+        let mut threads: Vec<u64> = self.all.by_thread.keys().copied().collect();
+        threads.sort_by_key(|t| self.threads.get(t).map_or(u32::MAX, |e| e.0));
+        threads
+    }
+
+    fn step_thread(&mut self, forward: bool) {
+        let threads = self.thread_list();
+        if threads.is_empty() {
+            return;
+        }
+        let at = self.thread.and_then(|t| threads.iter().position(|&x| x == t));
+        self.thread = match (at, forward) {
+            (None, true) => Some(threads[0]),
+            (None, false) => threads.last().copied(),
+            (Some(i), true) if i + 1 < threads.len() => Some(threads[i + 1]),
+            (Some(i), false) if i > 0 => Some(threads[i - 1]),
+            _ => None,
+        };
+    }
+
+    fn draw(&self, frame: &mut Frame) {
+        let [header, table] = Layout::vertical([Constraint::Length(4), Constraint::Min(1)]).areas(frame.area());
+        let (now, now_total) = self.last.view(self.thread);
+        let (all, all_total) = self.all.view(self.thread);
+        let unit = match self.event {
+            EventKind::Cpu | EventKind::Gc => "CPU time",
+            EventKind::Alloc => "bytes",
+            EventKind::Exceptions => "exceptions",
+            _ => "samples",
+        };
+        let thread = self.thread.map_or("all threads".to_string(), |t| self.thread_label(t));
+        let lines = vec![
+            Line::from(self.title.clone()).style(Style::default().add_modifier(Modifier::BOLD)),
+            Line::from(format!(
+                "{} · {:.0} s · {} samples · {thread} · sorted by {} of {unit}{}",
+                self.event,
+                self.started.elapsed().as_secs_f64(),
+                self.all.samples,
+                self.sort.label(),
+                if self.paused { " · PAUSED" } else { "" }
+            )),
+            Line::from("keys: s sort · t/T next/previous thread · a all threads · p pause · q quit"),
+            Line::from(self.note.clone().unwrap_or_default()),
+        ];
+        frame.render_widget(Paragraph::new(lines), header);
+
+        let share = |w: u64, total: u64| if total == 0 { 0.0 } else { w as f64 * 100.0 / total as f64 };
+        let mut functions: Vec<u64> = all.keys().copied().collect();
+        let key = |f: &u64| -> u64 {
+            let n = now.get(f).copied().unwrap_or_default();
+            let a = all.get(f).copied().unwrap_or_default();
+            match self.sort {
+                SortBy::OwnNow => n.own,
+                SortBy::TotalNow => n.total,
+                SortBy::OwnAll => a.own,
+                SortBy::TotalAll => a.total,
+            }
+        };
+        let total_all = |f: &u64| all.get(f).map_or(0, |w| w.total);
+        functions.sort_by(|a, b| key(b).cmp(&key(a)).then(total_all(b).cmp(&total_all(a))).then(a.cmp(b)));
+        let rows: Vec<Row> = functions
+            .iter()
+            .take(table.height.saturating_sub(1) as usize)
+            .map(|f| {
+                let n = now.get(f).copied().unwrap_or_default();
+                let a = all.get(f).copied().unwrap_or_default();
+                Row::new(vec![
+                    Cell::from(format!("{:6.1}%", share(n.own, now_total))),
+                    Cell::from(format!("{:6.1}%", share(n.total, now_total))),
+                    Cell::from(format!("{:6.1}%", share(a.own, all_total))),
+                    Cell::from(format!("{:6.1}%", share(a.total, all_total))),
+                    Cell::from(self.function_name(*f)),
+                ])
+            })
+            .collect();
+        let widths = [
+            Constraint::Length(8),
+            Constraint::Length(8),
+            Constraint::Length(9),
+            Constraint::Length(9),
+            Constraint::Min(20),
+        ];
+        let head = Row::new(vec!["Own", "Total", "Own all", "Total all", "Function"])
+            .style(Style::default().add_modifier(Modifier::REVERSED));
+        frame.render_widget(Table::new(rows, widths).header(head), table);
+    }
+}
+
+/// Puts the terminal back however `top` ends.
+struct TerminalGuard;
+
+impl Drop for TerminalGuard {
+    fn drop(&mut self) {
+        let _ = disable_raw_mode();
+        let _ = execute!(io::stdout(), LeaveAlternateScreen);
+    }
+}
+
+pub fn run(options: &TopOptions) -> Result<ExitCode> {
+    let agent = crate::record::find_agent(options.agent_path.as_deref())?;
+    if let Target::Attach(pid) = options.target {
+        crate::diagnostics::find_socket(pid)?;
+    }
+    let listener = Listener::new()?;
+    let signals = StopSignals::install()?;
+    let mut program_output = None;
+    let (connection, title, child) = match &options.target {
+        Target::Attach(pid) => {
+            let request = AttachRequest {
+                socket: listener.socket_path().to_string_lossy().into_owned(),
+                rate_hz: options.rate_hz,
+                events: options.event.bit(),
+                max_pause_ppm: corsnap_wire::DEFAULT_MAX_PAUSE_PPM,
+                log: None,
+                sampler: options.sampler,
+            };
+            let connection = crate::record::attach(*pid, &agent, &listener, &request)?;
+            let title = format!("corsnap top · pid {pid} · {}", crate::record::process_command_line(*pid));
+            (connection, title, None)
+        }
+        Target::Launch(program) => {
+            // The program's output would write over the screen: it goes to
+            // a file, named when top ends.
+            let words = program.iter().map(|a| a.to_string_lossy().into_owned());
+            let log = PathBuf::from(format!(
+                "corsnap-top-{}-{}.out",
+                crate::record::program_name(words),
+                corsnap_abi::os::local_timestamp()
+            ));
+            let record = RecordOptions {
+                target: options.target.clone(),
+                output: None,
+                format: crate::output::OutputFormat::Raw,
+                rate_hz: options.rate_hz,
+                duration: None,
+                threads: false,
+                agent_log: None,
+                agent_path: None,
+                stats: false,
+                events: vec![options.event],
+                max_pause_ppm: corsnap_wire::DEFAULT_MAX_PAUSE_PPM,
+                sampler: options.sampler,
+                native: options.native,
+                title: String::new(),
+                inverted: false,
+            };
+            let (process, connection, command) =
+                crate::record::launch_with_output(program, &agent, &listener, &record, &signals, Some(&log))?;
+            program_output = Some(log);
+            (connection, format!("corsnap top · {command}"), Some(process))
+        }
+    };
+    let view = View {
+        title,
+        event: options.event,
+        native: options.native,
+        names: HashMap::new(),
+        threads: HashMap::new(),
+        kernel_names: HashMap::new(),
+        current: Tally::default(),
+        last: Tally::default(),
+        all: Tally::default(),
+        sort: SortBy::OwnNow,
+        thread: None,
+        paused: false,
+        started: Instant::now(),
+        note: None,
+    };
+    enable_raw_mode().context("switching the terminal to raw mode (corsnap top needs a terminal)")?;
+    let guard = TerminalGuard;
+    execute!(io::stdout(), EnterAlternateScreen)?;
+    let mut terminal = ratatui::Terminal::new(ratatui::backend::CrosstermBackend::new(io::stdout()))?;
+    let (ended, mut connection) = ui_loop(&mut terminal, view, connection, options.interval, &signals)?;
+    drop(terminal);
+    drop(guard);
+    // Leave: a detach for an attached process; a launched one is ended.
+    let _ = connection.send_command(corsnap_wire::Command::Detach);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        match connection.next_event(Duration::from_millis(100)) {
+            Some(Event::Message(Message::Goodbye { .. })) | Some(Event::Closed(_)) => break,
+            _ => {}
+        }
+    }
+    connection.close();
+    eprintln!("corsnap top: {ended}");
+    if let Some(log) = program_output {
+        eprintln!("corsnap top: the program's output is in {}", log.display());
+    }
+    Ok(match child {
+        Some(mut process) => process.end_and_wait(),
+        None => ExitCode::SUCCESS,
+    })
+}
+
+fn ui_loop(
+    terminal: &mut DefaultTerminal,
+    mut view: View,
+    mut connection: AgentConnection,
+    interval: Duration,
+    signals: &StopSignals,
+) -> Result<(String, AgentConnection)> {
+    let mut next_interval = Instant::now() + interval;
+    let mut dirty = true;
+    loop {
+        // Messages for up to 50 ms, then keys, then the screen.
+        let until = Instant::now() + Duration::from_millis(50);
+        while let Some(ev) = connection.next_event(until.saturating_duration_since(Instant::now())) {
+            match ev {
+                Event::Message(Message::Goodbye { reason }) => return Ok((reason, connection)),
+                Event::Message(msg) => view.apply(&msg),
+                Event::Closed(_) => return Ok(("the process exited".to_string(), connection)),
+            }
+            if Instant::now() >= until {
+                break;
+            }
+        }
+        if signals.stopped() {
+            return Ok((signals.reason().0.to_string(), connection));
+        }
+        while event::poll(Duration::ZERO)? {
+            if let KeyEvent::Key(key) = event::read()? {
+                if key.kind != KeyEventKind::Press {
+                    continue;
+                }
+                match key.code {
+                    KeyCode::Char('q') | KeyCode::Esc => return Ok(("quit".to_string(), connection)),
+                    KeyCode::Char('c') if key.modifiers.contains(KeyModifiers::CONTROL) => {
+                        return Ok(("quit".to_string(), connection))
+                    }
+                    KeyCode::Char('s') => view.sort = view.sort.next(),
+                    KeyCode::Char('t') => view.step_thread(true),
+                    KeyCode::Char('T') => view.step_thread(false),
+                    KeyCode::Char('a') => view.thread = None,
+                    KeyCode::Char('p') => view.paused = !view.paused,
+                    _ => {}
+                }
+                dirty = true;
+            }
+        }
+        if Instant::now() >= next_interval {
+            next_interval += interval;
+            if !view.paused {
+                view.end_interval();
+                dirty = true;
+            }
+        }
+        if dirty {
+            terminal.draw(|f| view.draw(f))?;
+            dirty = false;
+        }
+    }
+}
