@@ -6,8 +6,8 @@ threads: without a profiler, under corsnap's two engines at 100 Hz and
 1000 Hz, and under the runtime's own EventPipe sample profiler.
 
 - signal: the default engine (perf events where the kernel allows them);
-  signal-timers: the same with POSIX CPU timers instead
-  (CORSNAP_NO_PERF_EVENTS=1), what a container without perf_event_open gets.
+  signal-timers: the same with POSIX CPU timers instead (--cpu-clock timer),
+  what a container without perf_event_open gets.
 - suspend: SuspendRuntime + DoStackSnapshot every tick, default pause budget.
 - suspend-only: the floor of any SuspendRuntime sampler: the agent suspends
   and resumes each tick and walks nothing (CORSNAP_BENCH_SUSPEND_ONLY=1).
@@ -51,13 +51,12 @@ def main():
         elif config != "eventpipe":
             engine, _, rate = config.partition("@")
             sampler = "signal" if engine.startswith("signal") else "suspend"
-            if engine == "signal-timers":
-                e["CORSNAP_NO_PERF_EVENTS"] = "1"
+            clock = ["--cpu-clock", "timer"] if engine == "signal-timers" else []
             if engine == "suspend-only":
                 e["CORSNAP_BENCH_SUSPEND_ONLY"] = "1"
             pause = "100" if engine == "suspend-only" else "2"
             cmd = [corsnap, "record", "--stats", "--sampler", sampler, "-r", rate, "--max-pause", pause,
-                   "-f", "collapsed", "-o", f"{scratch}/p.txt", "--"] + program
+                   "-f", "collapsed", "-o", f"{scratch}/p.txt"] + clock + ["--"] + program
         else:  # EventPipe's own sampler, switched on by environment alone
             e.update(DOTNET_EnableEventPipe="1", DOTNET_EventPipeConfig="Microsoft-DotNETCore-SampleProfiler:0:5",
                      DOTNET_EventPipeOutputPath=f"{scratch}/trace.nettrace")

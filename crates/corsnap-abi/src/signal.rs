@@ -698,18 +698,20 @@ pub struct SlotId(usize);
 impl SignalSampler {
     /// Installs the handler for [`SAMPLE_SIGNAL`] (refusing if the program
     /// has one of its own) with sampling disabled.
-    pub fn install() -> Result<SignalSampler, InstallError> {
+    /// `use_perf`: sample with perf events where the kernel allows them
+    /// (else, or with `false`, POSIX CPU timers).
+    pub fn install(use_perf: bool) -> Result<SignalSampler, InstallError> {
         if INSTALLED.swap(true, Ordering::SeqCst) {
             return Err(InstallError::Os(std::io::Error::other("the signal sampler is already installed")));
         }
-        let result = Self::install_inner();
+        let result = Self::install_inner(use_perf);
         if result.is_err() {
             INSTALLED.store(false, Ordering::SeqCst);
         }
         result
     }
 
-    fn install_inner() -> Result<SignalSampler, InstallError> {
+    fn install_inner(use_perf: bool) -> Result<SignalSampler, InstallError> {
         // SAFETY: querying a disposition into a zeroed struct.
         let mut previous: libc::sigaction = unsafe { std::mem::zeroed() };
         // SAFETY: valid out-pointer.
@@ -744,7 +746,7 @@ impl SignalSampler {
         if unsafe { libc::sigaction(SAMPLE_SIGNAL, &action, null_mut()) } != 0 {
             return Err(InstallError::Os(std::io::Error::last_os_error()));
         }
-        let perf_usable = std::env::var_os("CORSNAP_NO_PERF_EVENTS").is_none();
+        let perf_usable = use_perf;
         Ok(SignalSampler {
             trampoline,
             previous,
@@ -752,7 +754,7 @@ impl SignalSampler {
             timers: Vec::new(),
             perf_fds: Vec::new(),
             perf_usable,
-            perf_refusal: (!perf_usable).then(|| "CORSNAP_NO_PERF_EVENTS is set".to_string()),
+            perf_refusal: (!perf_usable).then(|| "POSIX timers were asked for".to_string()),
             free_slots: Vec::new(),
             next_slot: 0,
         })
@@ -1295,7 +1297,8 @@ mod tests {
     /// thread, walks in the handler, drain, and a clean uninstall.
     #[test]
     fn a_busy_thread_is_sampled_with_complete_native_stacks_and_uninstall_leaves_nothing() {
-        let mut sampler = SignalSampler::install().expect("SIGPROF is free in the test process");
+        let use_perf = std::env::var_os("CORSNAP_NO_PERF_EVENTS").is_none();
+        let mut sampler = SignalSampler::install(use_perf).expect("SIGPROF is free in the test process");
         let stop = Arc::new(AtomicBool::new(false));
         let (tid_tx, tid_rx) = std::sync::mpsc::channel();
         let s = stop.clone();
@@ -1356,7 +1359,7 @@ mod tests {
         unsafe { libc::sigaction(SAMPLE_SIGNAL, null_mut(), &mut now) };
         assert_eq!(now.sa_sigaction, libc::SIG_DFL, "the previous disposition is back");
         // A second install finds the same trampoline page.
-        let again = SignalSampler::install().unwrap();
+        let again = SignalSampler::install(use_perf).unwrap();
         assert_eq!(std::fs::read_to_string("/proc/self/maps").unwrap().matches(TRAMPOLINE_NAME).count(), 2);
         assert!(again.uninstall(Duration::from_secs(5)));
     }

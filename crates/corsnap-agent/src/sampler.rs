@@ -41,8 +41,12 @@ pub(crate) const CACHE_CAP: usize = 200_000;
 /// How often running totals go to the CLI.
 const STATS_EVERY: Duration = Duration::from_secs(1);
 /// How often the signal engine's buffers are drained (and new threads
-/// looked for, when the runtime announced some).
-const SIGNAL_DRAIN_EVERY: Duration = Duration::from_millis(10);
+/// looked for, when the runtime announced some): about every 5 samples of a
+/// busy thread, between 10 and 50 ms, so a thread's buffer never fills and
+/// the agent's thread wakes no more than it must.
+fn signal_drain_every(rate_hz: u32) -> Duration {
+    Duration::from_millis((5000 / u64::from(rate_hz.max(1))).clamp(10, 50))
+}
 /// How long after a thread is first described its kernel name is looked at
 /// again.
 const KERNEL_NAME_SETTLE: Duration = Duration::from_secs(1);
@@ -391,7 +395,7 @@ impl SamplerLoop {
         let mut next_tick: Option<Instant> = None;
         let mut next_stats = Instant::now() + STATS_EVERY;
         let mut next_send = Instant::now();
-        let mut next_drain = Instant::now() + SIGNAL_DRAIN_EVERY;
+        let mut next_drain = Instant::now() + signal_drain_every(self.shared.signal.rate());
         let reason = loop {
             // Without a timer profile (cpu or wall) there is nothing to tick
             // for; snapshots still work.
@@ -436,7 +440,7 @@ impl SamplerLoop {
                 let now = Instant::now();
                 let announced = self.shared.threads_changed.swap(false, std::sync::atomic::Ordering::Relaxed);
                 if now >= next_drain || announced {
-                    next_drain = now + SIGNAL_DRAIN_EVERY;
+                    next_drain = now + signal_drain_every(self.shared.signal.rate());
                     let first = self.stats.samples == 0;
                     // The first samples go out at once: the user is waiting.
                     send_now |= self.collect_signal_samples(announced) && first;

@@ -140,7 +140,7 @@ impl SignalEngine {
     /// Installs the handler and arms timers on every thread. `Err` says why
     /// the engine cannot run here (the caller falls back to `suspend`).
     pub fn start(shared: Arc<Shared>, rate_hz: u32) -> Result<SignalEngine, String> {
-        let sampler = SignalSampler::install().map_err(|e| match e {
+        let sampler = SignalSampler::install(shared.use_perf).map_err(|e| match e {
             signal::InstallError::SignalInUse => {
                 "the program has its own SIGPROF handler, which corsnap will not replace".to_string()
             }

@@ -50,6 +50,9 @@ pub const ENV_BENCH_ALLOC_SESSION_ONLY: &str = "CORSNAP_BENCH_ALLOC_SESSION_ONLY
 
 /// Which engine takes CPU samples in a launched agent: `signal` or `suspend`.
 pub const ENV_SAMPLER: &str = "CORSNAP_SAMPLER";
+/// When `1`, the signal engine samples with POSIX CPU timers, not perf
+/// events (`--cpu-clock timer`).
+pub const ENV_NO_PERF_EVENTS: &str = "CORSNAP_NO_PERF_EVENTS";
 
 /// How CPU samples are taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -771,6 +774,8 @@ pub struct AttachRequest {
     /// How to take CPU samples; a request without it means `suspend` (what
     /// agents before the signal engine did).
     pub sampler: SamplerKind,
+    /// The signal engine's clock: POSIX timers instead of perf events.
+    pub timers: bool,
 }
 
 const ATTACH_MAGIC: &str = "corsnap-attach-v1";
@@ -783,6 +788,9 @@ impl AttachRequest {
         );
         if self.sampler != SamplerKind::Suspend {
             s.push_str(&format!("sampler={}\n", self.sampler.name()));
+        }
+        if self.timers {
+            s.push_str("clock=timer\n");
         }
         if let Some(log) = &self.log {
             s.push_str(&format!("log={log}\n"));
@@ -807,6 +815,7 @@ impl AttachRequest {
         let (mut socket, mut rate, mut log, mut events) = (None, None, None, None);
         let mut max_pause_ppm = DEFAULT_MAX_PAUSE_PPM;
         let mut sampler = SamplerKind::Suspend;
+        let mut timers = false;
         for line in lines {
             match line.split_once('=')? {
                 ("socket", v) if !v.is_empty() => socket = Some(v.to_string()),
@@ -815,10 +824,12 @@ impl AttachRequest {
                 ("pause", v) => max_pause_ppm = v.parse().ok()?,
                 ("log", v) => log = Some(v.to_string()),
                 ("sampler", v) => sampler = SamplerKind::parse(v)?,
+                ("clock", "timer") => timers = true,
+                ("clock", "perf") => timers = false,
                 _ => return None,
             }
         }
-        Some(AttachRequest { socket: socket?, rate_hz: rate?, events: events?, max_pause_ppm, log, sampler })
+        Some(AttachRequest { socket: socket?, rate_hz: rate?, events: events?, max_pause_ppm, log, sampler, timers })
     }
 }
 
@@ -1015,6 +1026,7 @@ mod tests {
             max_pause_ppm: 35_000,
             log: Some("/tmp/a.log".into()),
             sampler: SamplerKind::Signal,
+            timers: true,
         };
         assert_eq!(AttachRequest::decode(&req.encode()), Some(req.clone()));
         let suspend = AttachRequest { sampler: SamplerKind::Suspend, ..req };

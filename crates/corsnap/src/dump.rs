@@ -25,6 +25,7 @@ pub fn run(options: &DumpOptions) -> Result<()> {
     let listener = Listener::new()?;
     let request = AttachRequest {
         sampler: corsnap_wire::SamplerKind::Suspend,
+        timers: false,
         socket: listener.socket_path().to_string_lossy().into_owned(),
         // Sampling stays paused: only the one snapshot is taken.
         rate_hz: 0,

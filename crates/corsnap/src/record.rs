@@ -44,6 +44,8 @@ pub struct RecordOptions {
     pub max_pause_ppm: u32,
     /// How CPU samples are taken.
     pub sampler: SamplerKind,
+    /// The signal engine's clock: POSIX timers instead of perf events.
+    pub timers: bool,
     /// Whether native frames are shown one by one.
     pub native: NativeFrames,
     /// Flame graph title (empty: the command).
@@ -211,6 +213,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                 max_pause_ppm: options.max_pause_ppm,
                 log: options.agent_log.as_deref().map(|p| absolute(p).to_string_lossy().into_owned()),
                 sampler: options.sampler,
+                timers: options.timers,
             };
             let connection = attach(*pid, &agent, &listener, &request)?;
             (Process::Attached { pid: *pid }, connection, process_command_line(*pid))
@@ -420,6 +423,9 @@ pub(crate) fn launch_with_output(
     command.env(corsnap_wire::ENV_EVENTS, EventKind::mask(&options.events).to_string());
     command.env(corsnap_wire::ENV_MAX_PAUSE, options.max_pause_ppm.to_string());
     command.env(corsnap_wire::ENV_SAMPLER, options.sampler.name());
+    if options.timers {
+        command.env(corsnap_wire::ENV_NO_PERF_EVENTS, "1");
+    }
     if let Some(log) = &options.agent_log {
         command.env(corsnap_wire::ENV_LOG, absolute(log));
     }

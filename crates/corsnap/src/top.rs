@@ -34,6 +34,7 @@ pub struct TopOptions {
     pub event: EventKind,
     pub rate_hz: u32,
     pub sampler: SamplerKind,
+    pub timers: bool,
     pub native: NativeFrames,
     pub interval: Duration,
     pub agent_path: Option<PathBuf>,
@@ -323,6 +324,7 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
                 max_pause_ppm: corsnap_wire::DEFAULT_MAX_PAUSE_PPM,
                 log: None,
                 sampler: options.sampler,
+                timers: options.timers,
             };
             let connection = crate::record::attach(*pid, &agent, &listener, &request)?;
             let title = format!("corsnap top · pid {pid} · {}", crate::record::process_command_line(*pid));
@@ -350,6 +352,7 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
                 events: vec![options.event],
                 max_pause_ppm: corsnap_wire::DEFAULT_MAX_PAUSE_PPM,
                 sampler: options.sampler,
+                timers: options.timers,
                 native: options.native,
                 title: String::new(),
                 inverted: false,

@@ -167,10 +167,9 @@ fn frameless_tier1_chains_and_osr_loops_come_back_whole_and_agree_with_do_stack_
 
 #[test]
 fn timers_take_over_where_perf_events_are_not_allowed() {
-    // CORSNAP_NO_PERF_EVENTS stands in for a container that forbids
-    // perf_event_open: POSIX CPU timers sample instead, and stacks are
-    // just as complete.
-    let (stacks, _) = run(Runtime::Net8, "chain", &["2"], &["-r", "400"], &[("CORSNAP_NO_PERF_EVENTS", "1")]);
+    // --cpu-clock timer is what a container that forbids perf_event_open
+    // gets: POSIX CPU timers sample instead, and stacks are just as complete.
+    let (stacks, _) = run(Runtime::Net8, "chain", &["2"], &["-r", "400", "--cpu-clock", "timer"], &[]);
     assert_complete(&stacks, "Chain.Hot", &HOT_CHAIN, "timers");
     let total: u64 = stacks.iter().map(|s| s.count).sum();
     assert!(total >= 1_000_000_000, "CPU nanoseconds recorded: {total}");
