@@ -122,6 +122,10 @@ pub struct ThreadSlot {
     perf_page: usize,
     /// The mean CPU time between samples, in nanoseconds.
     interval_ns: AtomicU64,
+    /// The POSIX timer that samples this thread (-1: none yet, or a perf
+    /// event does). Re-armed by the handler with a new random delay each
+    /// time.
+    timer_id: std::sync::atomic::AtomicI32,
     walking: UnsafeCell<Walking>,
     ring: Ring,
     /// Samples written.
@@ -140,6 +144,9 @@ struct Walking {
     period_ns: u64,
     rng: u64,
     samples: u64,
+    /// The thread's CPU clock at its previous sample (timer sampling): a
+    /// sample weighs exactly the CPU time since.
+    last_cpu_ns: u64,
 }
 
 /// Samples between changes of a perf event's period.
@@ -434,7 +441,19 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
         consume_perf_records(slot.perf_page);
         elapsed
     } else {
-        (1 + overrun.max(0) as u64) * slot.interval_ns.load(Ordering::Relaxed)
+        // A CPU timer is checked only at the scheduler tick, so the sample
+        // falls on the first tick after its delay ran out: it weighs the CPU
+        // time the thread really used since its previous sample (its own CPU
+        // clock, one system call), and the next delay is drawn afresh, so
+        // which tick is sampled is random and a program whose work repeats
+        // with the tick is not always seen at the same point.
+        let _ = overrun;
+        let now = thread_cpu_ns();
+        let elapsed = now.saturating_sub(walking.last_cpu_ns);
+        walking.last_cpu_ns = now;
+        let delay = dithered_period(&mut walking.rng, slot.interval_ns.load(Ordering::Relaxed));
+        let _ = arm_timer_once(slot.timer_id.load(Ordering::Relaxed), delay);
+        elapsed
     };
     // SAFETY: see step 4 of the module documentation.
     let Some(map) = (unsafe { MAP.load(Ordering::Acquire).as_ref() }) else {
@@ -472,6 +491,15 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
     } else {
         slot.dropped_full.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// The calling thread's CPU time in nanoseconds (a system call; async-
+/// signal-safe).
+fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// `CLOCK_MONOTONIC` in nanoseconds: on POSIX's async-signal-safe list,
@@ -791,6 +819,15 @@ impl SignalSampler {
         for &(_, fd) in &self.perf_fds {
             enable_perf_event(fd, on);
         }
+        if on {
+            // A timer that fired while sampling was off was not re-armed.
+            for &(index, timer) in &self.timers {
+                // SAFETY: slots are freed only with `&mut self`.
+                if let Some(slot) = unsafe { SLOTS[index].load(Ordering::Acquire).as_ref() } {
+                    let _ = arm_timer_once(timer, slot.interval_ns.load(Ordering::Relaxed));
+                }
+            }
+        }
     }
 
     /// Publishes a new code map for walks; the old one is freed once no
@@ -866,12 +903,14 @@ impl SignalSampler {
             perf_fd,
             perf_page,
             interval_ns: AtomicU64::new(interval_ns),
+            timer_id: std::sync::atomic::AtomicI32::new(-1),
             walking: UnsafeCell::new(Walking {
                 cache: WalkCache::new(),
                 frames: [0; MAX_FRAMES],
                 period_ns: 0,
                 rng: seed | 1,
                 samples: 0,
+                last_cpu_ns: crate::thread_cpu_time_ns(tid).unwrap_or(0),
             }),
             ring: Ring::new(),
             samples: AtomicU64::new(0),
@@ -908,8 +947,19 @@ impl SignalSampler {
                 }
             }
         }
-        match create_cpu_timer(tid, index, interval_ns) {
+        match create_cpu_timer(tid, index) {
             Ok(timer) => {
+                // SAFETY: the slot is published and stays until removed by us.
+                let slot_ref = unsafe { &*SLOTS[index].load(Ordering::Acquire) };
+                slot_ref.timer_id.store(timer, Ordering::Release);
+                if let Err(e) = arm_timer_once(timer, first_period) {
+                    delete_timer(timer);
+                    let p = SLOTS[index].swap(null_mut(), Ordering::SeqCst);
+                    // SAFETY: the timer never ran.
+                    drop(unsafe { Box::from_raw(p) });
+                    self.free_slots.push(index);
+                    return Err(e);
+                }
                 self.timers.push((index, timer));
                 Ok(SlotId(index))
             }
@@ -954,9 +1004,6 @@ impl SignalSampler {
 
     /// Changes every thread's interval.
     pub fn set_interval(&self, interval_ns: u64) {
-        for &(_, timer) in &self.timers {
-            let _ = arm_timer(timer, interval_ns);
-        }
         for slot in SLOTS.iter().take(self.next_slot) {
             // SAFETY: slots are freed only with `&mut self`.
             if let Some(s) = unsafe { slot.load(Ordering::Acquire).as_ref() } {
@@ -1052,7 +1099,7 @@ const SIGEV_THREAD_ID: c_int = 4;
 /// A timer on thread `tid`'s CPU clock that signals that thread with
 /// `slot` in `si_value`. Made with the raw system call: glibc's wrapper
 /// would hand back its own id for the same thing.
-fn create_cpu_timer(tid: u32, slot: usize, interval_ns: u64) -> std::io::Result<i32> {
+fn create_cpu_timer(tid: u32, slot: usize) -> std::io::Result<i32> {
     // MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)
     let clock = ((!tid) << 3 | 6) as c_int;
     let event =
@@ -1064,17 +1111,16 @@ fn create_cpu_timer(tid: u32, slot: usize, interval_ns: u64) -> std::io::Result<
     if rc != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    if let Err(e) = arm_timer(id, interval_ns) {
-        delete_timer(id);
-        return Err(e);
-    }
     Ok(id)
 }
 
-fn arm_timer(id: i32, interval_ns: u64) -> std::io::Result<()> {
-    let ts =
-        libc::timespec { tv_sec: (interval_ns / 1_000_000_000) as i64, tv_nsec: (interval_ns % 1_000_000_000) as i64 };
-    let spec = libc::itimerspec { it_interval: ts, it_value: ts };
+/// Arms the timer to fire once, after `delay_ns` more of the thread's CPU
+/// time. A system call (on POSIX's async-signal-safe list: the handler
+/// re-arms with it).
+fn arm_timer_once(id: i32, delay_ns: u64) -> std::io::Result<()> {
+    let ts = libc::timespec { tv_sec: (delay_ns / 1_000_000_000) as i64, tv_nsec: (delay_ns % 1_000_000_000) as i64 };
+    let zero = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let spec = libc::itimerspec { it_interval: zero, it_value: ts };
     // SAFETY: valid itimerspec; the kernel checks the id.
     let rc = unsafe {
         libc::syscall(libc::SYS_timer_settime, id, 0, &spec as *const libc::itimerspec, null_mut::<libc::itimerspec>())

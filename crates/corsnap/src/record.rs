@@ -830,3 +830,32 @@ impl RawRecorder {
         output.write_with(|out| out.write_all(&self.buffer))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name(words: &[&str]) -> String {
+        program_name(words.iter().map(|w| w.to_string()))
+    }
+
+    #[test]
+    fn default_names_keep_the_whole_program_name() {
+        assert_eq!(name(&["/opt/sarif/Sarif.Multitool", "analyze"]), "Sarif.Multitool");
+        assert_eq!(name(&["/usr/bin/dotnet", "bin/Shop.Api.dll", "--port", "80"]), "Shop.Api");
+        assert_eq!(name(&["dotnet", "exec", "app.dll"]), "app");
+        assert_eq!(name(&["./My App.exe"]), "My_App");
+        assert_eq!(name(&[]), "program");
+        let path =
+            default_output_name("Shop.Api", OutputFormat::Rendered(corsnap_profile::writers::Format::Flamegraph));
+        let file = path.to_string_lossy();
+        assert!(file.starts_with("corsnap-Shop.Api-20") && file.ends_with(".svg") && file.len() == 40, "{file}");
+    }
+
+    #[test]
+    fn plurals_read_right() {
+        assert_eq!(plural(1, "thread"), "1 thread");
+        assert_eq!(plural(3, "thread"), "3 threads");
+        assert_eq!(plural(0, "sample"), "0 samples");
+    }
+}

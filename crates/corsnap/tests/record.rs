@@ -197,6 +197,23 @@ fn sigterm_stops_the_recording_and_writes_what_was_collected() {
 }
 
 #[test]
+fn help_lists_every_event_and_shows_examples_line_by_line() {
+    let help = Command::new(support::corsnap_bin()).args(["record", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    for event in ["cpu", "wall", "exceptions", "alloc", "gc", "classload"] {
+        assert!(help.contains(event), "{event} missing from record --help:\n{help}");
+    }
+    let examples: Vec<&str> = help.lines().filter(|l| l.trim_start().starts_with("corsnap record")).collect();
+    assert!(examples.len() >= 3, "examples, one per line:\n{help}");
+    let report = Command::new(support::corsnap_bin()).args(["report", "--help"]).output().unwrap();
+    let report = String::from_utf8_lossy(&report.stdout);
+    for option in ["--output", "--format", "--threads", "--title"] {
+        let line = report.lines().find(|l| l.contains(option)).unwrap_or_else(|| panic!("{option}:\n{report}"));
+        assert!(line.trim().len() > option.len() + 12, "{option} has a description:\n{report}");
+    }
+}
+
+#[test]
 fn the_output_extension_chooses_the_format() {
     let dir = scratch("extension");
     let out = dir.join("p.json");
@@ -207,6 +224,20 @@ fn the_output_extension_chooses_the_format() {
     let refused = record(Runtime::Net8, "split", &["1"], &["-o", out.to_str().unwrap(), "-f", "flamegraph"], None);
     assert_eq!(refused.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&refused.stderr).contains("named like a speedscope file"));
+    // A flame graph with a title of the user's, drawn top down, in time.
+    let svg = dir.join("p.svg");
+    let output = record(
+        Runtime::Net8,
+        "split",
+        &["1"],
+        &["-o", svg.to_str().unwrap(), "--title", "nightly split run", "--inverted"],
+        None,
+    );
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg.contains(">nightly split run<"), "the title");
+    assert!(svg.contains(" µs, ") || svg.contains(" ms, "), "CPU time in the tooltips");
+    assert!(!svg.contains(" samples, "), "not called samples");
 }
 
 #[test]
