@@ -78,7 +78,9 @@ fn named_threads(runtime: Runtime) {
     {
         let of_thread: Vec<_> = stacks.iter().filter(|s| s.frames[0].starts_with(&format!("{thread} tid="))).collect();
         let total: u64 = of_thread.iter().map(|s| s.count).sum();
-        let in_method: u64 = of_thread.iter().filter(|s| s.frames.last().unwrap() == method).map(|s| s.count).sum();
+        // In the method, or in what it calls (its clock reads, in native
+        // code, show under it with the signal engine).
+        let in_method: u64 = of_thread.iter().filter(|s| s.frames.iter().any(|f| f == method)).map(|s| s.count).sum();
         // CPU nanoseconds: three spinning threads share 2 CPUs for 2 s.
         assert!(total >= 300_000_000, "{thread}: {total} ns of CPU:\n{}", describe(&stacks));
         assert!(in_method * 100 >= total * 95, "{thread}: {in_method}/{total} in {method}:\n{}", describe(&stacks));
