@@ -7,7 +7,7 @@ process's VmRSS from /proc once a second. The extra memory is the
 difference; its growth per second over the second half of the run,
 extrapolated to one hour, gives the one-hour figure (stated as such).
 
-    python3 bench/memory.py [--seconds 60] [--threads 50]
+    python3 bench/memory.py [--seconds 60] [--threads 50] [--sampler signal|suspend]
 """
 import argparse, os, re, subprocess, tempfile, time
 
@@ -40,11 +40,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--threads", type=int, default=50)
+    ap.add_argument("--sampler", default="signal", help="signal (default) or suspend")
     args = ap.parse_args()
     env, [many_dll] = prepare('bench/programs/many.cs')
     program = [env["CORSNAP_DOTNET8"], many_dll, str(args.threads), str(args.seconds)]
     scratch = tempfile.mkdtemp(prefix="corsnap-memory-bench-")
-    corsnap = [CORSNAP, "record", "-r", "100", "-f", "raw", "-o", f"{scratch}/p.corsnap", "--"]
+    corsnap = [CORSNAP, "record", "--sampler", args.sampler, "-r", "100", "-f", "raw", "-o", f"{scratch}/p.corsnap",
+               "--"]
 
     results = {}
     for name, cmd in (("none", program), ("corsnap", corsnap + program)):

@@ -30,10 +30,10 @@ struct SymbolTable {
 }
 
 impl SymbolTable {
-    fn from_elf(data: &[u8]) -> Option<SymbolTable> {
+    fn from_elf<'d, R: object::ReadRef<'d>>(data: R) -> Option<SymbolTable> {
         let file = object::File::parse(data).ok()?;
         let mut symbols: Vec<Symbol> = Vec::new();
-        let mut add = |sym: object::Symbol<'_, '_>| {
+        let mut add = |sym: object::Symbol<'d, '_, R>| {
             if sym.kind() != SymbolKind::Text || sym.address() == 0 {
                 return;
             }
@@ -99,7 +99,7 @@ fn demangle(name: &str) -> String {
 
 /// The file with the symbols for `path`: the debug file its
 /// `.gnu_debuglink` or build id names, if one is installed, else itself.
-fn debug_file_for(path: &Path, data: &[u8]) -> Option<PathBuf> {
+fn debug_file_for<'d, R: object::ReadRef<'d>>(path: &Path, data: R) -> Option<PathBuf> {
     let file = object::File::parse(data).ok()?;
     if file.section_by_name(".symtab").is_some() {
         return None;
@@ -173,12 +173,15 @@ pub fn module_file_name(path: &str) -> String {
 
 fn load_table(path: &str) -> Option<SymbolTable> {
     if path == "linux-vdso.so.1" {
-        return vdso_image().and_then(|data| SymbolTable::from_elf(&data));
+        return vdso_image().and_then(|data| SymbolTable::from_elf(data.as_slice()));
     }
     let file = if path.is_empty() { PathBuf::from("/proc/self/exe") } else { PathBuf::from(path) };
-    let data = std::fs::read(&file).ok()?;
+    // Read as needed (the symbol and string tables), not whole: a runtime
+    // library is megabytes, and the host's memory would keep the pages.
+    let data = object::ReadCache::new(std::fs::File::open(&file).ok()?);
     if let Some(debug) = debug_file_for(&file, &data) {
-        if let Some(table) = std::fs::read(&debug).ok().and_then(|d| SymbolTable::from_elf(&d)) {
+        let debug_data = std::fs::File::open(&debug).ok().map(object::ReadCache::new);
+        if let Some(table) = debug_data.as_ref().and_then(SymbolTable::from_elf) {
             return Some(table);
         }
     }
