@@ -26,7 +26,11 @@
 //! 7. `corsnap_unwind::walk` is safe Rust that never allocates (framehop with
 //!    `MustNotAllocateDuringUnwind`, pe-unwind-info is `no_std`); it reads
 //!    memory only through [`LiveMemory`], which allows that stack range and
-//!    the code regions of the map, and nothing else.
+//!    the code regions of the map, and nothing else; and, when a managed
+//!    frame returns into native code, 16 bytes of the runtime's object for
+//!    this thread, read with `process_vm_readv` (a system call, so an
+//!    address no longer mapped is an error, never a fault) into the
+//!    handler's stack, to undo a return-address hijack ([`hijacked_return`]).
 //! 8. `clock_gettime(CLOCK_MONOTONIC)` is on POSIX's async-signal-safe list
 //!    (and served by the vDSO).
 //! 9. The frames go into the slot's single-producer ring with relaxed stores
@@ -74,6 +78,8 @@ const RECORD_HEAD: usize = 5;
 /// up to this many words of the stack (and the registers), so the agent can
 /// walk the sample again once it has learned that code.
 const STACK_COPY_WORDS: usize = 2048;
+/// Words copied past a splice frame's stack pointer.
+const SPLICE_SLACK_WORDS: usize = 16;
 
 /// `si_code` of a signal raised by a POSIX timer.
 const SI_TIMER: c_int = -2;
@@ -81,6 +87,15 @@ const SI_TIMER: c_int = -2;
 /// `POLL_HUP` when its refresh count ran out, `POLL_IN` otherwise.
 const POLL_IN: c_int = 1;
 const POLL_HUP: c_int = 6;
+/// `si_code` of a signal queued with `rt_tgsigqueueinfo`: corsnap's own
+/// request for one sample now (walk verification), when from our own pid.
+const SI_QUEUE: c_int = -1;
+/// `si_pid` for queued signals (`_sifields._rt`).
+const SI_PID_OFFSET: usize = 16;
+/// Record flag: a sample taken on request ([`SignalSampler::request_sample`]),
+/// not by the clock; it carries no weight.
+pub const REQUESTED: u32 = 1 << 16;
+
 /// Perf event fds up to this number can be mapped to slots in the handler.
 const MAX_PERF_FD: usize = 65536;
 
@@ -106,6 +121,18 @@ static MAP: AtomicPtr<CodeMap> = AtomicPtr::new(null_mut());
 static ENABLED: AtomicBool = AtomicBool::new(false);
 /// Counters for signals that could not become samples.
 static NOT_READY: AtomicU64 = AtomicU64::new(0);
+/// Where the runtime's thread object keeps a hijacked return address: the
+/// byte offset of `Thread::m_pvHJRetAddr`, which `m_ppvHJRetAddrPtr` (the
+/// stack slot it came from) follows. 0 while unknown.
+static HIJACK_FIELDS: AtomicU64 = AtomicU64::new(0);
+/// The runtime's hijack trampoline, once a hijack has been seen (a return
+/// address never equal to it is never a hijacked one). 0 while unknown.
+static HIJACK_TRAMPOLINE: AtomicU64 = AtomicU64::new(0);
+/// Native return addresses of managed frames already found not to be the
+/// trampoline, so the thread object is read once per address, not once per
+/// sample. Filled first come, first kept; 0 is an empty entry.
+static NOT_HIJACKS: [AtomicU64; 64] = [const { AtomicU64::new(0) }; 64];
+static HIJACKS_UNDONE: AtomicU64 = AtomicU64::new(0);
 static FOREIGN: AtomicU64 = AtomicU64::new(0);
 static NO_SLOT: AtomicU64 = AtomicU64::new(0);
 static PANICKED: AtomicU64 = AtomicU64::new(0);
@@ -134,6 +161,9 @@ pub struct ThreadSlot {
     pub dropped_full: AtomicU64,
     /// Signals whose stack pointer was in no known stack mapping.
     pub unknown_stack: AtomicU64,
+    /// The runtime's object for this thread (its `ThreadID`), 0 if none is
+    /// known: where a hijacked return address is kept.
+    runtime_thread: AtomicU64,
 }
 
 struct Walking {
@@ -203,7 +233,8 @@ impl Ring {
     /// Appends one record, or returns false if it does not fit. With
     /// `copy`, the registers and `copy.1` words of stack from `regs.sp` go
     /// after the frames, if there is room for them (else they are left out).
-    fn push(&self, mut head: [u64; RECORD_HEAD], frames: &[u64], copy: Option<(Regs, usize, &LiveMemory<'_>)>) -> bool {
+    /// `copy`: see [`StackToCopy`].
+    fn push(&self, mut head: [u64; RECORD_HEAD], frames: &[u64], copy: Option<StackToCopy<'_>>) -> bool {
         let h = self.head.load(Ordering::Relaxed);
         let t = self.tail.load(Ordering::Acquire);
         let free = RING_WORDS - (h - t);
@@ -211,19 +242,37 @@ impl Ring {
         if free < base {
             return false;
         }
-        let copy = copy.filter(|c| free >= base + 3 + c.1);
-        head[4] = copy.map_or(0, |c| 3 + c.1 as u64);
+        // A walk through unknown code is kept whole only with the copy that
+        // lets it be walked again: its callers beyond that code were guessed.
+        // Without room for the copy, the sample keeps the frames up to the
+        // unknown one and is marked lost (shown as an incomplete stack).
+        let (frames, copy) = match copy {
+            Some(c) if free < base + COPY_HEAD + c.words => {
+                let keep = c.known_frames.min(frames.len());
+                let flags = (head[0] >> 32) as u32 | corsnap_unwind::flags::LOST;
+                head[0] = keep as u64 | u64::from(flags) << 32;
+                (&frames[..keep], None)
+            }
+            c => (frames, c),
+        };
+        let base = RECORD_HEAD + frames.len();
+        head[4] = copy.as_ref().map_or(0, |c| (COPY_HEAD + c.words) as u64);
         for (i, &w) in head.iter().chain(frames).enumerate() {
             self.words[(h + i) % RING_WORDS].store(w, Ordering::Relaxed);
         }
         let mut n = base;
-        if let Some((regs, words, memory)) = copy {
-            for w in [regs.ip, regs.sp, regs.bp] {
+        if let Some(c) = copy {
+            let (splice_index, splice_sp) = c.splice.map_or((u64::MAX, 0), |(i, sp)| (i as u64, sp));
+            for w in [c.regs.ip, c.regs.sp, c.regs.bp, splice_index, splice_sp] {
                 self.words[(h + n) % RING_WORDS].store(w, Ordering::Relaxed);
                 n += 1;
             }
-            for i in 0..words as u64 {
-                let w = memory.stack_word(regs.sp + 8 * i).unwrap_or(0);
+            for i in 0..c.words as u64 {
+                let address = c.regs.sp + 8 * i;
+                let w = match c.undone_hijack {
+                    Some((slot, original)) if slot == address => original,
+                    _ => c.memory.stack_word(address).unwrap_or(0),
+                };
                 self.words[(h + n) % RING_WORDS].store(w, Ordering::Relaxed);
                 n += 1;
             }
@@ -232,6 +281,24 @@ impl Ring {
         true
     }
 }
+
+/// What a sample that met unknown code keeps of its stack.
+struct StackToCopy<'a> {
+    regs: Regs,
+    /// Stack words to copy, from `regs.sp` up.
+    words: usize,
+    memory: &'a LiveMemory<'a>,
+    /// A hijacked return address to put back in the copy: (slot, original).
+    undone_hijack: Option<(u64, u64)>,
+    /// See `corsnap_unwind::Walk::known_frames`.
+    known_frames: usize,
+    /// See `corsnap_unwind::Walk::splice`: (index, stack pointer).
+    splice: Option<(usize, u64)>,
+}
+
+/// Words before the copied stack: the registers, then the splice frame's
+/// index (`u64::MAX` for none) and stack pointer.
+const COPY_HEAD: usize = 5;
 
 /// One sample as the agent drains it.
 #[derive(Debug, Clone, Copy)]
@@ -257,12 +324,26 @@ pub struct StackCopy<'a> {
     pub regs: Regs,
     /// The words from `regs.sp` up.
     pub words: &'a [u64],
+    /// The frame after the last one in unknown code when the sample was
+    /// taken: its index among the sample's frames and its stack pointer.
+    /// The copy reaches a little past it, no further: a walk that gets
+    /// there again takes the sample's frames from it on as they are.
+    pub splice: Option<(usize, u64)>,
 }
 
 /// Walks a sample again from its stack copy, with `map` (which may know more
 /// code now than when the sample was taken). Code bytes are read live, as in
 /// the handler: only inside managed regions of `map`, which are mapped.
-pub fn rewalk(map: &CodeMap, copy: &StackCopy<'_>, cache: &mut WalkCache, out: &mut [u64]) -> corsnap_unwind::Walk {
+/// `original` is the sample's walk (its frames and flags): when the copy
+/// names a splice frame and the new walk reaches it, the original's frames
+/// from there on complete the new walk.
+pub fn rewalk(
+    map: &CodeMap,
+    copy: &StackCopy<'_>,
+    original: (&[u64], u32),
+    cache: &mut WalkCache,
+    out: &mut [u64],
+) -> corsnap_unwind::Walk {
     struct CopyMemory<'a> {
         copy: &'a StackCopy<'a>,
         live: LiveMemory<'a>,
@@ -282,8 +363,25 @@ pub fn rewalk(map: &CodeMap, copy: &StackCopy<'_>, cache: &mut WalkCache, out: &
             self.live.code_bytes(range)
         }
     }
-    let memory = CopyMemory { copy, live: LiveMemory { stack: 0..0, map } };
-    corsnap_unwind::walk(map, &memory, copy.regs, cache, out)
+    use corsnap_unwind::flags;
+    let memory = CopyMemory { copy, live: LiveMemory { stack: 0..0, map, runtime_thread: 0 } };
+    let (frames, original_flags) = original;
+    let splice = copy.splice.and_then(|(i, sp)| Some((i, frames.get(i)? & !corsnap_unwind::EXACT_IP, sp)));
+    let mut walk = corsnap_unwind::walk_until(map, &memory, copy.regs, cache, out, splice.map(|(_, ip, sp)| (ip, sp)));
+    if let (true, Some((i, ..))) = (walk.flags & flags::REACHED != 0, splice) {
+        let rest = &frames[i..];
+        let n = rest.len().min(out.len() - walk.len);
+        out[walk.len..walk.len + n].copy_from_slice(&rest[..n]);
+        walk.len += n;
+        // The original walk knew every frame from the splice on: its ending
+        // is this walk's ending; what happened before it is this walk's.
+        let ending = flags::COMPLETE | flags::LOST | flags::TRUNCATED | flags::SIGNAL_FRAME | flags::HIJACKED;
+        walk.flags = (walk.flags & !flags::REACHED) | (original_flags & ending);
+        if n < rest.len() {
+            walk.flags = (walk.flags & !flags::COMPLETE) | flags::TRUNCATED;
+        }
+    }
+    walk
 }
 
 impl ThreadSlot {
@@ -307,8 +405,11 @@ impl ThreadSlot {
             scratch.clear();
             scratch.extend((0..len + copied).map(|i| word(RECORD_HEAD + i)));
             let (frames, rest) = scratch.split_at(len);
-            let stack = (copied >= 3)
-                .then(|| StackCopy { regs: Regs { ip: rest[0], sp: rest[1], bp: rest[2] }, words: &rest[3..] });
+            let stack = (copied >= COPY_HEAD).then(|| StackCopy {
+                regs: Regs { ip: rest[0], sp: rest[1], bp: rest[2] },
+                words: &rest[COPY_HEAD..],
+                splice: (rest[3] != u64::MAX).then_some((rest[3] as usize, rest[4])),
+            });
             f(RawSample {
                 weight_ns: word(1),
                 time_ns: word(2),
@@ -328,6 +429,8 @@ impl ThreadSlot {
 struct LiveMemory<'a> {
     stack: std::ops::Range<u64>,
     map: &'a CodeMap,
+    /// The runtime's object for the interrupted thread, 0 if unknown.
+    runtime_thread: u64,
 }
 
 impl Memory for LiveMemory<'_> {
@@ -350,6 +453,61 @@ impl Memory for LiveMemory<'_> {
         // and the range lies inside it.
         Some(unsafe { std::slice::from_raw_parts(range.start as *const u8, (range.end - range.start) as usize) })
     }
+
+    fn hijacked_return(&self, slot: u64, found: u64) -> Option<u64> {
+        hijacked_return(self.runtime_thread, &self.stack, slot, found)
+    }
+}
+
+/// The runtime stops a thread that is in code it cannot stop in by
+/// overwriting the return address of the current managed frame with a
+/// trampoline of its own (`Thread::HijackThread`), keeping the original in
+/// `Thread::m_pvHJRetAddr` and the slot's address in `m_ppvHJRetAddrPtr`.
+/// A walk that meets the trampoline would go on from it and lose the real
+/// caller. `found` at stack word `slot` is a hijack if the thread object says
+/// it took the return address from `slot` and that return address is not
+/// what the slot holds now (after `UnhijackThread` both fields are left as
+/// they were, and the slot holds the original again).
+///
+/// Async-signal-safe: atomics, and one `process_vm_readv` of 16 bytes into
+/// this stack frame; nothing is dereferenced. Called only for managed
+/// frames that return into native code, and most of those addresses are
+/// remembered in [`NOT_HIJACKS`] after their first check.
+fn hijacked_return(runtime_thread: u64, stack: &std::ops::Range<u64>, slot: u64, found: u64) -> Option<u64> {
+    let offset = HIJACK_FIELDS.load(Ordering::Relaxed);
+    if offset == 0 || runtime_thread == 0 || found == 0 {
+        return None;
+    }
+    let trampoline = HIJACK_TRAMPOLINE.load(Ordering::Relaxed);
+    if trampoline != 0 && found != trampoline {
+        return None;
+    }
+    if trampoline == 0 && NOT_HIJACKS.iter().any(|a| a.load(Ordering::Relaxed) == found) {
+        return None;
+    }
+    let mut fields = [0u8; 16];
+    if !crate::process::read_own_memory(runtime_thread.checked_add(offset)?, &mut fields) {
+        return None;
+    }
+    let original = u64::from_le_bytes(fields[..8].try_into().ok()?);
+    let taken_from = u64::from_le_bytes(fields[8..].try_into().ok()?);
+    if taken_from == slot && original != found && original != 0 {
+        if trampoline == 0 {
+            HIJACK_TRAMPOLINE.store(found, Ordering::Relaxed);
+        }
+        HIJACKS_UNDONE.fetch_add(1, Ordering::Relaxed);
+        return Some(original);
+    }
+    // Not hijacked: `found` is a real return address and never the
+    // trampoline, if the object looked like this thread's (its slot field
+    // points into this stack, or still holds the constructor's 0xCC fill).
+    let plausible = taken_from == 0xCCCC_CCCC_CCCC_CCCC || stack.contains(&taken_from);
+    if trampoline == 0 && plausible {
+        if let Some(free) = NOT_HIJACKS.iter().find(|a| a.load(Ordering::Relaxed) == 0) {
+            let _ = free.compare_exchange(0, found, Ordering::Relaxed, Ordering::Relaxed);
+        }
+    }
+    None
 }
 
 /// The signal handler, entered through the trampoline. Every step is listed
@@ -391,8 +549,21 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
             (raw.add(SI_VALUE_OFFSET) as *const usize).read_unaligned(),
         )
     };
+    let mut requested = false;
     let index = match code {
         SI_TIMER => value & 0xffff_ffff,
+        SI_QUEUE => {
+            // SAFETY: si_pid inside the 128-byte siginfo_t.
+            let sender = unsafe { (raw.add(SI_PID_OFFSET) as *const c_int).read_unaligned() };
+            // SAFETY: getpid has no preconditions and is async-signal-safe.
+            let own_pid = unsafe { libc::getpid() };
+            if sender != own_pid {
+                FOREIGN.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            requested = true;
+            value & 0xffff_ffff
+        }
         POLL_IN | POLL_HUP => {
             // SAFETY: si_fd inside the 128-byte siginfo_t.
             let fd = unsafe { (raw.add(SI_FD_OFFSET) as *const c_int).read_unaligned() };
@@ -425,7 +596,10 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
     // SAFETY: only this thread's handler touches `walking` (tid checked
     // above), and it cannot be re-entered while SIGPROF is blocked.
     let walking = unsafe { &mut *slot.walking.get() };
-    let weight_ns = if slot.perf_fd >= 0 {
+    let weight_ns = if requested {
+        // Asked for, not a clock's: no weight, and the clock is untouched.
+        0
+    } else if slot.perf_fd >= 0 {
         // The period that just ran out is this sample's weight. Periods are
         // spread around the interval (each thread starts with its own), so a
         // program whose work repeats at the sampling period is not always
@@ -472,20 +646,36 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
         return;
     };
     let stack_words = ((stack.end - regs.sp) / 8).min(STACK_COPY_WORDS as u64) as usize;
-    let memory = LiveMemory { stack, map };
+    let memory = LiveMemory { stack, map, runtime_thread: slot.runtime_thread.load(Ordering::Relaxed) };
     let walk = corsnap_unwind::walk(map, &memory, regs, &mut walking.cache, &mut walking.frames);
     let time_ns = monotonic_ns();
     let frames = walking.frames.get(..walk.len).unwrap_or(&[]);
-    let header = frames.len() as u64 | u64::from(walk.flags) << 32;
+    let record_flags = walk.flags | if requested { REQUESTED } else { 0 };
+    let header = frames.len() as u64 | u64::from(record_flags) << 32;
     // A walk that reached the root used the stack up to `walk.sp`: copy that
     // much (and a little more), not the whole allowance, so that several
     // copies fit in the ring between two drains.
-    let copy_words = if walk.flags & corsnap_unwind::flags::COMPLETE != 0 {
+    // With a splice frame, the stack up to it is enough (a little past it:
+    // its own frame is where the new walk must arrive). That keeps copies
+    // small, so a ring holds tens of them while the agent is slow to drain
+    // (a program starting up under CPU contention); if the guesses that led
+    // to the splice frame were wrong, the new walk does not arrive there and
+    // the sample ends incomplete rather than wrong.
+    let copy_words = if let Some((_, at)) = walk.splice {
+        (((at.sp.saturating_sub(regs.sp)) / 8) as usize + SPLICE_SLACK_WORDS).min(stack_words)
+    } else if walk.flags & corsnap_unwind::flags::COMPLETE != 0 {
         (((walk.sp.saturating_sub(regs.sp)) / 8) as usize + 64).min(stack_words)
     } else {
         stack_words
     };
-    let copy = (walk.flags & corsnap_unwind::flags::UNKNOWN_CODE != 0).then_some((regs, copy_words, &memory));
+    let copy = (walk.flags & corsnap_unwind::flags::UNKNOWN_CODE != 0).then_some(StackToCopy {
+        regs,
+        words: copy_words,
+        memory: &memory,
+        undone_hijack: walk.undone_hijack,
+        known_frames: walk.known_frames,
+        splice: walk.splice.map(|(i, at)| (i, at.sp)),
+    });
     if slot.ring.push([header, weight_ns, time_ns, time_ns.saturating_sub(entered), 0], frames, copy) {
         slot.samples.fetch_add(1, Ordering::Relaxed);
     } else {
@@ -522,6 +712,8 @@ pub struct SignalCounters {
     pub no_slot: u64,
     /// A dependency panicked inside the handler (sampling then stops).
     pub panicked: u64,
+    /// Return addresses the runtime had hijacked, put back in walks.
+    pub hijacks_undone: u64,
 }
 
 pub fn counters() -> SignalCounters {
@@ -530,7 +722,18 @@ pub fn counters() -> SignalCounters {
         foreign: FOREIGN.load(Ordering::Relaxed),
         no_slot: NO_SLOT.load(Ordering::Relaxed),
         panicked: PANICKED.load(Ordering::Relaxed),
+        hijacks_undone: HIJACKS_UNDONE.load(Ordering::Relaxed),
     }
+}
+
+/// Tells the handler where the runtime's thread object keeps a hijacked
+/// return address (see [`HIJACK_FIELDS`]); the agent finds it.
+pub fn set_hijack_fields_offset(offset: u64) {
+    HIJACK_FIELDS.store(offset, Ordering::Relaxed);
+}
+
+pub fn hijack_fields_offset() -> u64 {
+    HIJACK_FIELDS.load(Ordering::Relaxed)
 }
 
 // ---------------------------------------------------------------------------
@@ -916,6 +1119,7 @@ impl SignalSampler {
             samples: AtomicU64::new(0),
             dropped_full: AtomicU64::new(0),
             unknown_stack: AtomicU64::new(0),
+            runtime_thread: AtomicU64::new(0),
         });
         let slot = Box::into_raw(slot);
         // Each thread starts with a period of its own. Set before the event
@@ -1010,6 +1214,45 @@ impl SignalSampler {
                 s.interval_ns.store(interval_ns, Ordering::Relaxed);
             }
         }
+    }
+
+    /// Asks thread `id` for one sample now, with a signal queued to it
+    /// (`rt_tgsigqueueinfo`); the record carries [`REQUESTED`]. For walk
+    /// verification only: unlike the clocks, this signals a thread whether
+    /// it runs or not. `false` if the signal could not be sent.
+    pub fn request_sample(&self, id: SlotId) -> bool {
+        // SAFETY: slots are freed only with `&mut self`.
+        let Some(slot) = (unsafe { SLOTS[id.0].load(Ordering::Acquire).as_ref() }) else { return false };
+        // SAFETY: a zeroed siginfo_t filled in at the offsets asserted above.
+        unsafe {
+            let mut info: libc::siginfo_t = std::mem::zeroed();
+            let raw = &mut info as *mut libc::siginfo_t as *mut u8;
+            (raw as *mut c_int).write_unaligned(SAMPLE_SIGNAL);
+            (raw.add(SI_CODE_OFFSET) as *mut c_int).write_unaligned(SI_QUEUE);
+            (raw.add(SI_PID_OFFSET) as *mut c_int).write_unaligned(libc::getpid());
+            (raw.add(SI_PID_OFFSET + 4) as *mut u32).write_unaligned(libc::getuid());
+            (raw.add(SI_VALUE_OFFSET) as *mut usize).write_unaligned(id.0);
+            libc::syscall(
+                libc::SYS_rt_tgsigqueueinfo,
+                libc::getpid(),
+                slot.tid as c_int,
+                SAMPLE_SIGNAL,
+                &info as *const libc::siginfo_t,
+            ) == 0
+        }
+    }
+
+    /// Tells thread `id`'s handler which runtime thread object is its own
+    /// (0: none).
+    pub fn set_runtime_thread(&self, id: SlotId, thread: u64) {
+        if let Some(slot) = self.slot(id) {
+            slot.runtime_thread.store(thread, Ordering::Relaxed);
+        }
+    }
+
+    /// Samples the slot has stored so far.
+    pub fn samples_of(&self, id: SlotId) -> u64 {
+        self.slot(id).map_or(0, |s| s.samples.load(Ordering::Acquire))
     }
 
     /// How many threads perf events sample, and why perf events are not
@@ -1320,7 +1563,7 @@ mod tests {
             })
             .collect();
         let maps = parse_maps(&std::fs::read_to_string("/proc/self/maps").unwrap());
-        CodeMap::new(natives, Vec::new(), stack_ranges(&maps), SignalSampler::sigreturn_trampoline(), [0, 0])
+        CodeMap::new(natives, Vec::new(), stack_ranges(&maps), SignalSampler::sigreturn_trampoline())
     }
 
     #[inline(never)]

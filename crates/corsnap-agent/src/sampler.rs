@@ -47,6 +47,8 @@ const STATS_EVERY: Duration = Duration::from_secs(1);
 fn signal_drain_every(rate_hz: u32) -> Duration {
     Duration::from_millis((5000 / u64::from(rate_hz.max(1))).clamp(10, 50))
 }
+/// How often samples are drained while they meet code not learned yet.
+const LEARNING_DRAIN_EVERY: Duration = Duration::from_millis(5);
 /// How long after a thread is first described its kernel name is looked at
 /// again.
 const KERNEL_NAME_SETTLE: Duration = Duration::from_secs(1);
@@ -331,6 +333,9 @@ struct SamplerLoop {
     signal: Option<SignalEngine>,
     signal_samples: Vec<crate::signal_engine::Sample>,
     signal_rate: u32,
+    /// `CORSNAP_VERIFY_WALKS=1`: compare signal-engine walks with
+    /// `DoStackSnapshot` at the same instant (tests only).
+    verify: Option<WalkVerification>,
     /// The name last sent for each OS thread the signal engine sampled.
     signal_threads: HashMap<u32, Option<String>>,
     /// The kernel's name last sent for each OS thread, and when it was
@@ -387,6 +392,7 @@ impl SamplerLoop {
             signal_rate,
             signal_threads: HashMap::new(),
             kernel_names: HashMap::new(),
+            verify: std::env::var("CORSNAP_VERIFY_WALKS").is_ok_and(|v| v == "1").then(WalkVerification::default),
         }
     }
 
@@ -395,7 +401,11 @@ impl SamplerLoop {
         let mut next_tick: Option<Instant> = None;
         let mut next_stats = Instant::now() + STATS_EVERY;
         let mut next_send = Instant::now();
-        let mut next_drain = Instant::now() + signal_drain_every(self.shared.signal.rate());
+        let mut next_drain = Instant::now() + LEARNING_DRAIN_EVERY;
+        let mut next_verify = Instant::now() + VERIFY_EVERY;
+        if let Some(v) = self.verify.as_mut() {
+            v.pending.reserve(MAX_THREADS_PER_TICK);
+        }
         let reason = loop {
             // Without a timer profile (cpu or wall) there is nothing to tick
             // for; snapshots still work.
@@ -440,11 +450,20 @@ impl SamplerLoop {
                 let now = Instant::now();
                 let announced = self.shared.threads_changed.swap(false, std::sync::atomic::Ordering::Relaxed);
                 if now >= next_drain || announced {
-                    next_drain = now + signal_drain_every(self.shared.signal.rate());
                     let first = self.stats.samples == 0;
                     // The first samples go out at once: the user is waiting.
                     send_now |= self.collect_signal_samples(announced) && first;
+                    // Samples in code not learned yet carry stack copies, which
+                    // fill a thread's ring in a few samples: while the program
+                    // compiles, drain often.
+                    let learning = self.signal.as_ref().is_some_and(|e| e.learning());
+                    let every = signal_drain_every(self.shared.signal.rate());
+                    next_drain = now + if learning { every.min(LEARNING_DRAIN_EVERY) } else { every };
                 }
+            }
+            if self.verify.is_some() && self.signal.is_some() && Instant::now() >= next_verify {
+                next_verify = Instant::now() + VERIFY_EVERY;
+                self.verify_round();
             }
             self.publish_events();
             let posted = std::mem::take(&mut *self.shared.outbox.lock().unwrap_or_else(|p| p.into_inner()));
@@ -464,6 +483,15 @@ impl SamplerLoop {
                 }
             }
         };
+        if let Some(v) = &self.verify {
+            let text = format!(
+                "walk verification: {} stacks compared with DoStackSnapshot at the same instant, {} with the same \
+                 managed frames",
+                v.compared, v.identical
+            );
+            log::write(format_args!("{text}"));
+            self.channel.queue(&Message::Notice { severity: corsnap_wire::Severity::Info, text });
+        }
         if self.signal.is_some() {
             self.collect_signal_samples(false);
             if let Some(engine) = self.signal.as_mut() {
@@ -548,6 +576,75 @@ impl SamplerLoop {
         self.stats.max_tick_ns = self.stats.max_tick_ns.max(ns(t3 - t0));
         self.tick_times.record(ns(t1 - t0), ns(t2 - t1), ns(t3 - t2));
         self.publish(ns(t1 - self.started), snapshot);
+    }
+
+    /// One verification round: with the runtime suspended, every managed
+    /// thread is asked for a signal-engine sample (a queued signal its handler
+    /// takes while the thread is parked) and walked by `DoStackSnapshot`;
+    /// after the resume, the two lists of managed frames are compared. The
+    /// suspended part allocates nothing (preallocated buffers) and takes no
+    /// lock.
+    fn verify_round(&mut self) {
+        let info = self.shared.info;
+        let (Some(engine), Some(verify)) = (self.signal.as_ref(), self.verify.as_mut()) else { return };
+        if info.suspend_runtime().is_err() {
+            return;
+        }
+        self.shared.gate.begin_walk();
+        verify.pending.clear();
+        if info.enum_threads_into(&mut self.buffers.threads).is_ok() {
+            for &thread in self.buffers.threads.iter().take(MAX_THREADS_PER_TICK) {
+                let os_tid = info.get_thread_info(thread).unwrap_or(0);
+                if let Some(before) = engine.request_sample(os_tid) {
+                    verify.pending.push((os_tid, before));
+                }
+            }
+        }
+        // The handlers run on the parked threads; wait for their samples.
+        let deadline = Instant::now() + Duration::from_millis(100);
+        while Instant::now() < deadline && verify.pending.iter().any(|&(t, b)| engine.samples_stored(t) <= b) {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        self.walk_all_suspended(true);
+        self.shared.gate.end_walk();
+        let resumed = info.resume_runtime();
+        self.shared.gate.wake_waiters();
+        if let Err(e) = resumed {
+            log::write(format_args!("ResumeRuntime failed: {e}"));
+        }
+        self.collect_signal_samples(false);
+        let Some(engine) = self.signal.as_mut() else { return };
+        let ours: HashMap<u32, Vec<u64>> = engine
+            .take_requested()
+            .into_iter()
+            .map(|s| (s.os_tid, s.frames.into_iter().filter(|f| f & corsnap_wire::NATIVE_FRAME_BIT == 0).collect()))
+            .collect();
+        let stacks = std::mem::take(&mut self.buffers.stacks);
+        for record in &stacks {
+            let Some(ours) = ours.get(&record.os_tid) else { continue };
+            if record.status < 0 || record.truncated {
+                continue;
+            }
+            let truth: Vec<u64> =
+                self.buffers.frames[record.start..record.end].iter().copied().filter(|&f| f != 0).collect();
+            let Some(verify) = self.verify.as_mut() else { break };
+            verify.compared += 1;
+            if *ours == truth {
+                verify.identical += 1;
+            } else if verify.logged < 10 {
+                verify.logged += 1;
+                let mut name = |f: &u64| {
+                    self.names.resolve(*f as FunctionID).map(|n| n.name).unwrap_or_else(|_| format!("{f:#x}"))
+                };
+                let ours: Vec<String> = ours.iter().map(&mut name).collect();
+                let truth: Vec<String> = truth.iter().map(&mut name).collect();
+                log::write(format_args!(
+                    "walk verification, thread {}: signal walk {:?} but DoStackSnapshot {:?}",
+                    record.os_tid, ours, truth
+                ));
+            }
+        }
+        self.buffers.stacks = stacks;
     }
 
     /// Runs with every managed thread stopped. No locks, no allocation, no
@@ -876,6 +973,20 @@ impl SamplerLoop {
         }
     }
 }
+
+/// Counts of the signal engine's walks compared with `DoStackSnapshot`.
+#[derive(Debug, Default)]
+struct WalkVerification {
+    compared: u64,
+    identical: u64,
+    /// Threads asked for a sample in the current round: (OS tid, samples
+    /// stored before). Preallocated: filled while the runtime is suspended.
+    pending: Vec<(u32, u64)>,
+    logged: u32,
+}
+
+/// How often a verification round runs.
+const VERIFY_EVERY: Duration = Duration::from_millis(250);
 
 /// The kernel's name for one of our process's threads.
 fn os_thread_name(os_tid: u32) -> Option<String> {

@@ -35,6 +35,38 @@ use crate::log;
 use crate::symbols::Symbolizer;
 use crate::Shared;
 
+/// Bytes of each runtime thread object searched for the hijack fields.
+const THREAD_OBJECT_SCAN: usize = 2048;
+
+/// What the runtime's constructor fills `m_pvHJRetAddr` and
+/// `m_ppvHJRetAddrPtr` with, until the thread's first hijack.
+const HIJACK_FIELDS_FILL: u64 = 0xCCCC_CCCC_CCCC_CCCC;
+
+/// Where `Thread::m_pvHJRetAddr` and `m_ppvHJRetAddrPtr` sit in the
+/// runtime's thread objects (`objects`, as 8-byte words), which differs by
+/// runtime version and build: the only pair of words that every thread not
+/// hijacked yet still has at the constructor's fill, while in every other
+/// thread the second points into a thread stack (the slot of its last
+/// hijack). `None` unless exactly one offset fits and some thread shows it.
+fn hijack_fields_offset(objects: &[Vec<u64>], stacks: &[std::ops::Range<u64>]) -> Option<u64> {
+    let filled =
+        |o: &[u64], i: usize| o.get(i) == Some(&HIJACK_FIELDS_FILL) && o.get(i + 1) == Some(&HIJACK_FIELDS_FILL);
+    let hijacked_once = |o: &[u64], i: usize| o.get(i + 1).is_some_and(|p| stacks.iter().any(|s| s.contains(p)));
+    let len = objects.iter().map(Vec::len).min()?;
+    let fits: Vec<usize> = (1..len.saturating_sub(1))
+        .filter(|&i| objects.iter().any(|o| filled(o, i)))
+        .filter(|&i| objects.iter().all(|o| filled(o, i) || hijacked_once(o, i)))
+        .collect();
+    match fits.as_slice() {
+        [i] => Some(*i as u64 * 8),
+        _ => None,
+    }
+}
+
+/// How long after its start the engine counts as learning (see
+/// [`SignalEngine::learning`]).
+const LEARNING_AT_START: Duration = Duration::from_secs(1);
+
 /// How often `/proc/self/task` is read for new and exited threads.
 const THREAD_SCAN_EVERY: Duration = Duration::from_millis(100);
 /// Entries in the address caches before they are emptied.
@@ -73,13 +105,18 @@ struct RawOwned {
     handler_ns: u64,
     flags: u32,
     frames: Vec<u64>,
-    stack: Option<(corsnap_unwind::Regs, Vec<u64>)>,
+    stack: Option<OwnedStackCopy>,
 }
+
+/// A `signal::StackCopy` taken out of its ring: registers, words, splice.
+type OwnedStackCopy = (corsnap_unwind::Regs, Vec<u64>, Option<(usize, u64)>);
 
 /// A thread being sampled.
 #[derive(Debug)]
 struct Sampled {
     slot: SlotId,
+    /// The runtime's object for this thread, as its handler was last told.
+    runtime_thread: u64,
 }
 
 pub struct SignalEngine {
@@ -121,8 +158,12 @@ pub struct SignalEngine {
     /// Samples of threads that exited, drained before their slots went.
     leftovers: Vec<Sample>,
     rewalk_cache: corsnap_unwind::WalkCache,
+    /// Samples taken on request (walk verification), kept apart.
+    requested: Vec<Sample>,
     /// Samples walked again from their stack copy.
     pub rewalked: u64,
+    rewalked_before_collect: u64,
+    started: Instant,
     pub samples: u64,
     pub incomplete: u64,
     pub unknown_code: u64,
@@ -179,7 +220,10 @@ impl SignalEngine {
             handler_next: 0,
             leftovers: Vec::new(),
             rewalk_cache: corsnap_unwind::WalkCache::new(),
+            requested: Vec::new(),
             rewalked: 0,
+            rewalked_before_collect: 0,
+            started: Instant::now(),
             samples: 0,
             incomplete: 0,
             unknown_code: 0,
@@ -220,7 +264,16 @@ impl SignalEngine {
 
     /// One round on the agent's thread: threads, modules, map, and the
     /// samples taken since the last round.
+    /// Whether the engine is in its first second, when it knows no managed
+    /// code yet, or the last round met code it had to learn: more samples
+    /// with stack copies (which take room in their ring) are likely to follow
+    /// while the program compiles, so the next round should come sooner.
+    pub fn learning(&self) -> bool {
+        self.started.elapsed() < LEARNING_AT_START || self.rewalked != self.rewalked_before_collect
+    }
+
     pub fn collect(&mut self, out: &mut Vec<Sample>) {
+        self.rewalked_before_collect = self.rewalked;
         if self.sampler.is_none() {
             out.append(&mut self.leftovers);
             return;
@@ -260,6 +313,28 @@ impl SignalEngine {
                 log::write(format_args!("signal handlers still running after 2 s"));
             }
         }
+    }
+
+    /// Asks thread `tid` for one sample now (walk verification); the
+    /// number of samples its slot had stored before, to wait on.
+    pub fn request_sample(&self, tid: u32) -> Option<u64> {
+        let sampler = self.sampler.as_ref()?;
+        let slot = self.threads.get(&tid)?.slot;
+        let before = sampler.samples_of(slot);
+        sampler.request_sample(slot).then_some(before)
+    }
+
+    /// Samples stored so far for thread `tid`.
+    pub fn samples_stored(&self, tid: u32) -> u64 {
+        match (self.sampler.as_ref(), self.threads.get(&tid)) {
+            (Some(sampler), Some(t)) => sampler.samples_of(t.slot),
+            _ => 0,
+        }
+    }
+
+    /// The samples taken on request since the last call, resolved.
+    pub fn take_requested(&mut self) -> Vec<Sample> {
+        std::mem::take(&mut self.requested)
     }
 
     /// Names the CLI has not heard yet.
@@ -324,6 +399,13 @@ impl SignalEngine {
             // walked again after the rest.
             let mut again: Vec<RawOwned> = Vec::new();
             slot.drain(&mut scratch, |s| match s.stack {
+                // Asked for by walk verification: not part of the profile.
+                None if s.flags & signal::REQUESTED != 0 => {
+                    if let Some(sample) = self.resolve(tid, 0, s.time_ns, s.handler_ns, s.flags, s.frames) {
+                        self.samples -= 1;
+                        self.requested.push(sample);
+                    }
+                }
                 None => {
                     if let Some(sample) = self.resolve(tid, s.weight_ns, s.time_ns, s.handler_ns, s.flags, s.frames) {
                         out.push(sample);
@@ -335,15 +417,21 @@ impl SignalEngine {
                     handler_ns: s.handler_ns,
                     flags: s.flags,
                     frames: s.frames.to_vec(),
-                    stack: Some((copy.regs, copy.words.to_vec())),
+                    stack: Some((copy.regs, copy.words.to_vec(), copy.splice)),
                 }),
             });
             for mut r in again {
-                if let Some((regs, words)) = r.stack.take() {
-                    self.walk_again(&mut r, regs, &words);
+                if let Some((regs, words, splice)) = r.stack.take() {
+                    self.walk_again(&mut r, signal::StackCopy { regs, words: &words, splice });
                 }
+                let requested = r.flags & signal::REQUESTED != 0;
                 if let Some(sample) = self.resolve(tid, r.weight_ns, r.time_ns, r.handler_ns, r.flags, &r.frames) {
-                    out.push(sample);
+                    if requested {
+                        self.samples -= 1;
+                        self.requested.push(sample);
+                    } else {
+                        out.push(sample);
+                    }
                 }
             }
         }
@@ -353,10 +441,11 @@ impl SignalEngine {
     /// A sample whose walk met code not known yet: learn that code, and walk
     /// the sample's copy of its stack again with what was learned, until
     /// nothing new turns up.
-    fn walk_again(&mut self, raw: &mut RawOwned, regs: corsnap_unwind::Regs, words: &[u64]) {
+    fn walk_again(&mut self, raw: &mut RawOwned, copy: signal::StackCopy<'_>) {
         // The walk stepped over code the handler's map did not know; it may
         // be known by now (learned from an earlier sample), or be learned
         // from this one's addresses.
+        let original = (raw.frames.clone(), raw.flags);
         for round in 0..8 {
             let mut learned = false;
             for &frame in &raw.frames {
@@ -384,9 +473,8 @@ impl SignalEngine {
             if self.map_dirty || learned {
                 self.publish();
             }
-            let copy = signal::StackCopy { regs, words };
             let mut out = vec![0u64; signal::MAX_FRAMES];
-            let walk = signal::rewalk(&self.map, &copy, &mut self.rewalk_cache, &mut out);
+            let walk = signal::rewalk(&self.map, &copy, (&original.0, original.1), &mut self.rewalk_cache, &mut out);
             out.truncate(walk.len);
             raw.frames = out;
             raw.flags = walk.flags;
@@ -431,7 +519,9 @@ impl SignalEngine {
             self.truncated += 1;
         }
         let mut frames = Vec::with_capacity(raw.len() + 1);
-        if self.debug_walks && (self.samples.is_multiple_of(50) || walk_flags & flags::UNKNOWN_CODE != 0) {
+        if self.debug_walks
+            && (self.samples.is_multiple_of(50) || walk_flags & (flags::UNKNOWN_CODE | signal::REQUESTED) != 0)
+        {
             let desc: Vec<String> = raw
                 .iter()
                 .map(|&f| {
@@ -650,6 +740,7 @@ impl SignalEngine {
             .filter(|t| !self.threads.contains_key(t) && !self.own_tids.contains(t) && !self.refused.contains(t))
             .copied()
             .collect();
+        self.update_runtime_threads();
         if new.is_empty() {
             return;
         }
@@ -664,11 +755,39 @@ impl SignalEngine {
             }
             match sampler.add_thread(tid, self.interval_ns) {
                 Ok(slot) => {
-                    self.threads.insert(tid, Sampled { slot });
+                    self.threads.insert(tid, Sampled { slot, runtime_thread: 0 });
                 }
                 Err(_) => {
                     self.refused.insert(tid);
                 }
+            }
+        }
+    }
+
+    /// Tells each thread's handler which runtime thread object is its own
+    /// (a hijacked return address is kept there), and finds where in that
+    /// object it is kept, once.
+    fn update_runtime_threads(&mut self) {
+        let Some(sampler) = self.sampler.as_ref() else { return };
+        let by_tid = self.shared.threads.by_os_tid();
+        for (tid, sampled) in self.threads.iter_mut() {
+            let thread = by_tid.get(tid).copied().unwrap_or(0) as u64;
+            if thread != sampled.runtime_thread {
+                sampled.runtime_thread = thread;
+                sampler.set_runtime_thread(sampled.slot, thread);
+            }
+        }
+        if signal::hijack_fields_offset() == 0 {
+            let objects: Vec<Vec<u64>> = by_tid
+                .values()
+                .filter_map(|&t| corsnap_abi::process::read_own_bytes(t as u64, THREAD_OBJECT_SCAN))
+                .map(|bytes| {
+                    bytes.chunks_exact(8).map(|w| u64::from_le_bytes(w.try_into().unwrap_or([0; 8]))).collect()
+                })
+                .collect();
+            if let Some(offset) = hijack_fields_offset(&objects, &self.stacks) {
+                log::write(format_args!("hijacked return addresses: at offset {offset:#x} of the thread object"));
+                signal::set_hijack_fields_offset(offset);
             }
         }
     }
@@ -681,7 +800,7 @@ impl SignalEngine {
     }
 
     fn publish(&mut self) {
-        let map = CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn, [0, 0]);
+        let map = CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn);
         self.managed = map.managed().to_vec();
         self.map = Arc::new(map);
         // While draining, the sampler is out of its place: the handler gets

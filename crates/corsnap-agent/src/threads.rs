@@ -61,6 +61,13 @@ impl ThreadRegistry {
         entries.get(&thread).map(|e| e.os_tid).filter(|&t| t != 0)
     }
 
+    /// The runtime's thread object (`ThreadID`) on each OS thread that is a
+    /// managed thread now.
+    pub fn by_os_tid(&self) -> HashMap<u32, ThreadID> {
+        let entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        entries.iter().filter(|(_, e)| e.os_tid != 0).map(|(&t, e)| (e.os_tid, t)).collect()
+    }
+
     /// The name of each OS thread that is a managed thread now (empty if
     /// the program never named it).
     pub fn names_by_os_tid(&self) -> HashMap<u32, String> {

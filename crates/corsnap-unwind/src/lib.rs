@@ -76,9 +76,14 @@ pub mod flags {
     pub const UNKNOWN_CODE: u32 = 1 << 3;
     /// The walk went through a signal frame.
     pub const SIGNAL_FRAME: u32 = 1 << 4;
-    /// A return address was the runtime's hijack trampoline (a thread the
-    /// runtime is bringing to a stop); the real caller is not on the stack.
+    /// A managed frame's return address had been replaced by the runtime's
+    /// hijack trampoline (a thread the runtime is bringing to a stop); the
+    /// real one, which [`Memory::hijacked_return`](super::Memory::hijacked_return)
+    /// found in the runtime's thread object, was used in its place.
     pub const HIJACKED: u32 = 1 << 5;
+    /// [`walk_until`](super::walk_until) reached the frame it was to stop
+    /// at (which is not in the output).
+    pub const REACHED: u32 = 1 << 6;
 }
 
 /// The three registers a walk needs on x64.
@@ -99,6 +104,16 @@ pub trait Memory {
     /// The bytes of `range`, which the walker guarantees lies inside the
     /// `code` range of a [`ManagedCode`] of the map being walked.
     fn code_bytes(&self, range: Range<u64>) -> Option<&[u8]>;
+    /// A managed frame returns to `found`, read from the stack word at
+    /// `slot`, and `found` is not managed code: if the runtime hijacked that
+    /// return address (it overwrites it with a trampoline of its own to stop
+    /// the thread on its way back, and keeps the original in its thread
+    /// object), the original. Without an answer the walk goes on from
+    /// `found`, where it would lose the real caller.
+    fn hijacked_return(&self, slot: u64, found: u64) -> Option<u64> {
+        let _ = (slot, found);
+        None
+    }
 }
 
 /// Scratch space for native unwinding: framehop's rule cache and gimli's
@@ -218,8 +233,6 @@ pub struct CodeMap {
     /// glibc's `__restore_rt`: a return address equal to it marks a signal
     /// frame. 0 if unknown.
     sigreturn: u64,
-    /// The runtime's hijack trampoline(s) (`OnHijackTripThread`), 0 if unknown.
-    hijack: [u64; 2],
 }
 
 impl std::fmt::Debug for CodeMap {
@@ -240,7 +253,6 @@ impl CodeMap {
         mut managed: Vec<ManagedCode>,
         mut stacks: Vec<Range<u64>>,
         sigreturn: u64,
-        hijack: [u64; 2],
     ) -> CodeMap {
         natives.sort_by_key(|m| m.code.start);
         natives.dedup_by(|later, earlier| later.code.start < earlier.code.end);
@@ -261,7 +273,7 @@ impl CodeMap {
             kept.push(m);
         }
         stacks.sort_by_key(|r| r.start);
-        CodeMap { natives, unwinder, managed: kept, stacks, sigreturn, hijack }
+        CodeMap { natives, unwinder, managed: kept, stacks, sigreturn }
     }
 
     pub fn natives(&self) -> &[NativeModule] {
@@ -307,6 +319,19 @@ pub struct Walk {
     /// The stack pointer of the last frame reached: how much of the stack
     /// the walk used.
     pub sp: u64,
+    /// A hijacked return address the walk put back: the stack slot it
+    /// belongs in, and the original (a copy of the stack needs it too).
+    pub undone_hijack: Option<(u64, u64)>,
+    /// How many frames, from the leaf, were found by unwind information,
+    /// counting the first frame in code the map did not know: its callers
+    /// are guesses (by return address or frame pointer).
+    pub known_frames: usize,
+    /// The frame after the last one in unknown code, if the walk got there:
+    /// its index in the output and its registers. From it on, every frame
+    /// was found by unwind information, so a walk that reaches the same
+    /// frame again (the same address and stack pointer) can take the rest
+    /// of this walk as it is.
+    pub splice: Option<(usize, Regs)>,
 }
 
 /// One unwinding step's outcome.
@@ -330,15 +355,35 @@ const REG_RIP: u64 = 16;
 /// [`EXACT_IP`]. Never allocates, never panics on bad input, and reads
 /// memory only through `mem`.
 pub fn walk<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, cache: &mut WalkCache, out: &mut [u64]) -> Walk {
+    walk_until(map, mem, regs, cache, out, None)
+}
+
+/// [`walk`], stopping (with [`flags::REACHED`]) before writing the frame
+/// whose instruction pointer and stack pointer are `stop`.
+pub fn walk_until<M: Memory>(
+    map: &CodeMap,
+    mem: &M,
+    regs: Regs,
+    cache: &mut WalkCache,
+    out: &mut [u64],
+    stop: Option<(u64, u64)>,
+) -> Walk {
     let mut len = 0;
     let mut flags = 0;
     let mut regs = regs;
     // The leaf, and a context a signal frame saved, are exact instruction
     // pointers: the thread was stopped there, not in a call.
     let mut exact = true;
+    let mut undone_hijack = None;
+    let mut known_frames = usize::MAX;
+    let mut splice = None;
     loop {
         if regs.ip == 0 {
             flags |= flags::COMPLETE;
+            break;
+        }
+        if stop == Some((regs.ip, regs.sp)) {
+            flags |= flags::REACHED;
             break;
         }
         let Some(slot) = out.get_mut(len) else {
@@ -364,40 +409,45 @@ pub fn walk<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, cache: &mut WalkCache
                 }
             }
         }
-        if !exact && (regs.ip == map.hijack[0] || regs.ip == map.hijack[1]) && regs.ip != 0 {
-            // The runtime replaced this return address to stop the thread on
-            // its way back; the real caller's address is kept in the runtime's
-            // thread object, not on the stack. Go on by the frame chain.
-            flags |= flags::HIJACKED;
-            match frame_pointer_step(mem, regs) {
-                Step::Next(next) if next.sp > regs.sp => {
-                    regs = next;
-                    continue;
-                }
-                _ => {
-                    flags |= flags::LOST;
-                    break;
-                }
-            }
-        }
         let lookup = if exact { regs.ip } else { regs.ip - 1 };
+        let mut unknown = false;
         let step = if let Some(region) = map.managed_at(lookup) {
             match managed_step(region, mem, regs, exact) {
+                Some(Step::Next(mut next)) => {
+                    // Managed code returns into native code only at a few
+                    // transitions (the thread's entry, callbacks from native
+                    // code); a hijacked return is one of them to the eye.
+                    if next.sp > regs.sp && map.managed_at(next.ip.wrapping_sub(1)).is_none() {
+                        if let Some(real) = mem.hijacked_return(next.sp - 8, next.ip) {
+                            flags |= flags::HIJACKED;
+                            undone_hijack = Some((next.sp - 8, real));
+                            next.ip = real;
+                        }
+                    }
+                    Step::Next(next)
+                }
                 Some(step) => step,
                 None => {
-                    flags |= flags::UNKNOWN_CODE;
+                    unknown = true;
                     unknown_step(map, mem, regs, exact)
                 }
             }
         } else if map.native_at(lookup).is_some() {
             native_step(map, mem, regs, exact, cache)
         } else {
-            flags |= flags::UNKNOWN_CODE;
+            unknown = true;
             unknown_step(map, mem, regs, exact)
         };
+        if unknown {
+            flags |= flags::UNKNOWN_CODE;
+            known_frames = known_frames.min(len);
+        }
         match step {
             // The stack grows down: every caller's frame is above its callee's.
             Step::Next(next) if next.sp > regs.sp => {
+                if unknown {
+                    splice = Some((len, next));
+                }
                 regs = next;
                 exact = false;
             }
@@ -411,7 +461,8 @@ pub fn walk<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, cache: &mut WalkCache
             }
         }
     }
-    Walk { len, flags, sp: regs.sp }
+    let splice = splice.filter(|&(i, _)| i < len);
+    Walk { len, flags, sp: regs.sp, undone_hijack, known_frames: known_frames.min(len), splice }
 }
 
 fn signal_context<M: Memory>(mem: &M, uc: u64) -> Option<Regs> {
@@ -471,6 +522,23 @@ impl<M: Memory> UnwindState for PeState<'_, M> {
 
 /// One step through a managed frame by its `UNWIND_INFO`. `None` when the
 /// region has no function-table entry for the address (a gap in an image).
+/// `int3`s: what pe-unwind-info is shown in place of code that must not be
+/// read as an epilogue. Functions longer than this (there are few) come back
+/// as not unwindable in that case rather than wrong.
+static NOT_AN_EPILOGUE: [u8; 65536] = [0xcc; 65536];
+
+/// Whether `code` (at address `at`) starts with a relative `jmp` whose target
+/// lies inside the function `begin..end`, excluding its first byte (a jump
+/// there is a recursive tail call).
+fn jumps_within(code: &[u8], at: u64, begin: u64, end: u64) -> bool {
+    let target = match code {
+        [0xeb, d, ..] => (at + 2).wrapping_add_signed(i64::from(*d as i8)),
+        [0xe9, a, b, c, d, ..] => (at + 5).wrapping_add_signed(i64::from(i32::from_le_bytes([*a, *b, *c, *d]))),
+        _ => return false,
+    };
+    target > begin && target < end
+}
+
 fn managed_step<M: Memory>(region: &ManagedCode, mem: &M, regs: Regs, exact: bool) -> Option<Step> {
     let lookup = if exact { regs.ip } else { regs.ip - 1 };
     let entries = FunctionTableEntries::parse(&region.functions);
@@ -490,7 +558,18 @@ fn managed_step<M: Memory>(region: &ManagedCode, mem: &M, regs: Regs, exact: boo
     let memory_at_rva = |r: u32| -> Option<&[u8]> {
         if r == rva {
             let start = region.base + u64::from(r);
-            return mem.code_bytes(start..function_end.max(start));
+            let code = mem.code_bytes(start..function_end.max(start))?;
+            // pe-unwind-info takes any `jmp rel` at the address for the end
+            // of an epilogue, so a frame whose return address is a jump back
+            // into its own loop (`call; jmp loop`, common in JIT code) would
+            // be unwound as if about to return: its caller lost. Windows'
+            // rule, which CoreCLR's unwinder follows: a jump to inside the
+            // function (past its first byte) is not an epilogue. Such a
+            // frame gets bytes that are no epilogue instruction instead.
+            if jumps_within(code, start, region.base + u64::from(function.begin_address.get()), function_end) {
+                return NOT_AN_EPILOGUE.get(..code.len());
+            }
+            return Some(code);
         }
         match &region.unwind {
             UnwindBytes::Copied { rva: first, bytes } => {

@@ -72,9 +72,18 @@ const FRAMED: [u8; 21] =
 /// set FP, at 1 push rbp.
 const FRAMED_UNWIND: [u8; 12] = [0x01, 0x08, 0x03, 0x05, 0x08, 0x12, 0x04, 0x03, 0x01, 0x50, 0, 0];
 
+/// FRAMED with its call in a loop: `call; jmp back to the call`, so its
+/// return address points at a `jmp` (the same unwind information).
+const LOOPING: [u8; 21] =
+    [0x55, 0x48, 0x8b, 0xec, 0x48, 0x83, 0xec, 0x10, 0xe8, 0, 0, 0, 0, 0xeb, 0xf9, 0x48, 0x83, 0xc4, 0x10, 0x5d, 0xc3];
+
 /// Main -> A3 -> A4 -> A5 -> Hot, with Hot's leaf in its loop. Returns the
 /// map, the memory and the leaf registers.
 fn chain() -> (CodeMap, Recorded, Regs) {
+    chain_with_main(&FRAMED)
+}
+
+fn chain_with_main(main: &[u8]) -> (CodeMap, Recorded, Regs) {
     let sp0 = STACK_TOP - 0x100;
     let mut stack = HashMap::new();
     stack.insert(sp0, 0); // Main's return address: the root
@@ -92,7 +101,7 @@ fn chain() -> (CodeMap, Recorded, Regs) {
     let mut managed = Vec::new();
     let mut code = Vec::new();
     for (start, bytes, unwind) in [
-        (MAIN, &FRAMED[..], &FRAMED_UNWIND[..]),
+        (MAIN, main, &FRAMED_UNWIND[..]),
         (A3, &FRAMELESS[..], &FRAMELESS_UNWIND[..]),
         (A4, &FRAMELESS[..], &FRAMELESS_UNWIND[..]),
         (A5, &FRAMELESS[..], &FRAMELESS_UNWIND[..]),
@@ -103,7 +112,7 @@ fn chain() -> (CodeMap, Recorded, Regs) {
         code.push(c);
     }
     let stacks = vec![Range { start: STACK_TOP - 0x10000, end: STACK_TOP }];
-    let map = CodeMap::new(Vec::new(), managed, stacks, 0, [0, 0]);
+    let map = CodeMap::new(Vec::new(), managed, stacks, 0);
     let mem = Recorded { stack, stack_range: STACK_TOP - 0x10000..STACK_TOP, code };
     (map, mem, Regs { ip: HOT + 3, sp: sp0 - 88, bp: main_bp })
 }
@@ -120,6 +129,25 @@ fn frameless_tier1_callers_are_all_recovered() {
     let (frames, flags) = run(&map, &mem, regs);
     assert_eq!(frames, [HOT + 3, A5 + 6, A4 + 6, A3 + 6, MAIN + 13]);
     assert_eq!(flags, flags::COMPLETE);
+}
+
+#[test]
+fn a_return_address_at_a_jump_back_into_the_loop_is_no_epilogue() {
+    // Found by walk verification on .NET 8: Tier0 `call JIT_Patchpoint;
+    // jmp loop` lost every caller of the looping method.
+    let (map, mem, regs) = chain_with_main(&LOOPING);
+    let (frames, flags) = run(&map, &mem, regs);
+    assert_eq!(frames, [HOT + 3, A5 + 6, A4 + 6, A3 + 6, MAIN + 13]);
+    assert_eq!(flags, flags::COMPLETE);
+    // A jump out of the function is a tail call, which is an epilogue: at
+    // it, only the return address is left on the stack.
+    let mut tail = LOOPING;
+    tail[14] = 0x7f;
+    let (map, mut mem, _) = chain_with_main(&tail);
+    let sp = STACK_TOP - 0x200;
+    mem.stack.insert(sp, A4 + 6);
+    let (frames, _) = run(&map, &mem, Regs { ip: MAIN + 13, sp, bp: 0 });
+    assert_eq!(frames[..2], [MAIN + 13, A4 + 6]);
 }
 
 #[test]
@@ -180,7 +208,7 @@ fn a_signal_frame_continues_with_the_saved_context() {
     let mut managed: Vec<ManagedCode> = map.managed().to_vec();
     managed.push(tramp_region);
     mem.code.push(tramp_code);
-    let map = CodeMap::new(Vec::new(), managed, vec![mem.stack_range.clone()], trampoline, [0, 0]);
+    let map = CodeMap::new(Vec::new(), managed, vec![mem.stack_range.clone()], trampoline);
     let mut out = [0u64; 64];
     let w = walk(&map, &mem, handler, &mut WalkCache::new(), &mut out);
     let frames: Vec<u64> = out[..w.len].to_vec();
