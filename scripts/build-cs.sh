@@ -1,60 +1,79 @@
 #!/usr/bin/env bash
-# Compile one C# file with mcs for .NET (Core).
+# Compile one C# file with Roslyn (the .NET SDK's csc), Release, with a
+# portable PDB, for a .NET runtime.
 #
-#   scripts/build-cs.sh SRC.cs OUTDIR [8|3.1]
+#   scripts/build-cs.sh SRC.cs OUTDIR [10|9|8|3.1]
 #
-# Produces OUTDIR/<name>.dll and OUTDIR/<name>.runtimeconfig.json, where <name>
-# is SRC's file name without .cs. The runtime defaults to 8. Run the result with
-#   "$CORSNAP_DOTNET8" OUTDIR/<name>.dll [args]      (or $CORSNAP_DOTNET31)
+# Produces OUTDIR/<name>.dll, OUTDIR/<name>.pdb and
+# OUTDIR/<name>.runtimeconfig.json, where <name> is SRC's file name without
+# .cs. The runtime defaults to 10. Run the result with
+#   "$CORSNAP_DOTNET10" OUTDIR/<name>.dll [args]      (or $CORSNAP_DOTNET8 ...)
 #
-# mcs is taken from $CORSNAP_MCS, else from PATH (see scripts/setup.sh).
+# The compiler and the assemblies compiled against come from
+# $CORSNAP_DEPS/env.sh (scripts/setup.sh), unless already in the environment.
 set -euo pipefail
 
 die() { echo "build-cs.sh: error: $*" >&2; exit 1; }
 
-[ $# -ge 2 ] && [ $# -le 3 ] || die "usage: build-cs.sh SRC.cs OUTDIR [8|3.1]"
+[ $# -ge 2 ] && [ $# -le 3 ] || die "usage: build-cs.sh SRC.cs OUTDIR [10|9|8|3.1]"
 src="$1"
 outdir="$2"
-runtime="${3:-8}"
+runtime="${3:-10}"
 
+if [ -z "${CORSNAP_CSC:-}" ]; then
+    env_sh="${CORSNAP_DEPS:-$HOME/.cache/corsnap}/env.sh"
+    [ -f "$env_sh" ] || die "$env_sh not found (run scripts/setup.sh)"
+    # shellcheck disable=SC1090
+    . "$env_sh"
+fi
+
+invariant=""
 case "$runtime" in
-    8|8.0)   framework_version="8.0.0"; invariant="" ;;
-    3.1)     framework_version="3.1.0"
+    10|10.0) framework_version="10.0.0"; tfm=net10.0; refs="${CORSNAP_REF10:-}" ;;
+    9|9.0)   framework_version="9.0.0"; tfm=net9.0; refs="${CORSNAP_REF9:-}" ;;
+    8|8.0)   framework_version="8.0.0"; tfm=net8.0; refs="${CORSNAP_REF8:-}" ;;
+    3.1)     framework_version="3.1.0"; tfm=netcoreapp3.1; refs="${CORSNAP_REF31:-}"
              # .NET Core 3.1 does not know ICU >= 71 (Debian 12 has 72).
              invariant=',
     "configProperties": { "System.Globalization.Invariant": true }' ;;
-    *)       die "unknown runtime '$runtime' (expected 8 or 3.1)" ;;
+    *)       die "unknown runtime '$runtime' (expected 10, 9, 8 or 3.1)" ;;
 esac
+[ -d "$refs" ] || die "no assemblies to compile against for .NET $runtime (run scripts/setup.sh)"
 
 [ -f "$src" ] || die "source file not found: $src"
 case "$src" in *.cs) ;; *) die "source file must end in .cs: $src" ;; esac
 name="$(basename "$src" .cs)"
 [ -n "$name" ] || die "cannot derive an assembly name from $src"
 
-mcs="${CORSNAP_MCS:-}"
-if [ -z "$mcs" ]; then
-    mcs="$(command -v mcs 2>/dev/null)" || die "mcs not found (run scripts/setup.sh, or set CORSNAP_MCS)"
-fi
-[ -x "$mcs" ] || die "mcs is not executable: $mcs"
-
 mkdir -p "$outdir" || die "cannot create output directory: $outdir"
 dll="$outdir/$name.dll"
 config="$outdir/$name.runtimeconfig.json"
 
-# mcs writes diagnostics to stdout. Pass warnings and errors on to stderr, but
-# drop the "Compilation succeeded" banner so a clean build is silent.
-if ! log="$("$mcs" -target:exe -unsafe -optimize+ \
-        -r:System.dll -r:System.Core.dll -out:"$dll" "$src" 2>&1)"; then
+rsp="$(mktemp)"
+trap 'rm -f "$rsp"' EXIT
+{
+    echo "-nologo -target:exe -optimize+ -deterministic -debug:portable -unsafe -langversion:latest"
+    echo "-nowarn:CS1701,CS1702,CS8981"
+    printf -- '-out:"%s"\n' "$dll"
+    for f in "$refs"/*.dll; do
+        # 3.1's implementation folder also holds native libraries' managed
+        # shims; only assemblies with metadata are references.
+        case "$(basename "$f")" in Microsoft.DiaSymReader.Native*|mscordaccore*|*.ni.dll) continue ;; esac
+        printf -- '-r:"%s"\n' "$f"
+    done
+    printf '"%s"\n' "$src"
+} >"$rsp"
+if ! log="$("${CORSNAP_DOTNET10:-dotnet}" "$CORSNAP_CSC" "@$rsp" 2>&1)"; then
     printf '%s\n' "$log" >&2
     rm -f "$dll"
-    die "mcs failed to compile $src"
+    die "csc failed to compile $src for .NET $runtime"
 fi
-log="$(printf '%s\n' "$log" | grep -v '^Compilation succeeded' || true)"
 [ -z "$log" ] || printf '%s\n' "$log" >&2
 
 cat >"$config" <<JSON
 {
   "runtimeOptions": {
+    "tfm": "$tfm",
     "framework": { "name": "Microsoft.NETCore.App", "version": "$framework_version" }$invariant
   }
 }

@@ -266,6 +266,21 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                 }
                 Event::Closed(e) => {
                     agent_gone = true;
+                    if interrupted.stopped() {
+                        // The program often ends first on the same signal
+                        // (`timeout` signals the whole group; .NET stops on
+                        // SIGTERM): the signal is why recording stopped.
+                        break interrupted.reason().0.to_string();
+                    }
+                    // A program that exits closes the connection a moment
+                    // before its exit is visible.
+                    let closed = Instant::now();
+                    while e.is_none() && !process.has_exited() && closed.elapsed() < Duration::from_millis(500) {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    if interrupted.stopped() {
+                        break interrupted.reason().0.to_string();
+                    }
                     break match e {
                         None if process.has_exited() => "the program exited".to_string(),
                         None => "the agent closed the connection".to_string(),

@@ -1,5 +1,5 @@
 //! Attach, record, detach, dump: end to end against a running C# service
-//! under the real .NET 8 runtime.
+//! under real .NET 10 (and 9 and 8 where marked) and Core 3.1 runtimes.
 
 mod support;
 
@@ -35,11 +35,12 @@ fn corsnap(args: &[&str]) -> std::process::Output {
     Command::new(corsnap_bin()).args(args).output().unwrap()
 }
 
-#[test]
-fn recording_a_running_service_by_pid_finds_its_busy_method_and_leaves_no_trace() {
-    let mut service = Service::start(&[]);
+on_each_runtime!(recording_a_running_service_by_pid_finds_its_busy_method_and_leaves_no_trace, record_by_pid);
+
+fn record_by_pid(runtime: Runtime) {
+    let mut service = Service::start_on(runtime, &[]);
     let before = baseline_after_one_cycle(&service);
-    let dir = scratch("attach-record");
+    let dir = scratch(&format!("attach-record-{runtime:?}"));
     let out = dir.join("p.txt");
     record_pid(&service, "1.5", &["--threads"], &out);
     let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
@@ -98,9 +99,10 @@ fn twenty_attach_record_detach_cycles_leave_the_process_as_it_was() {
     assert!(service.is_alive());
 }
 
-#[test]
-fn dump_prints_every_managed_thread_leaf_first() {
-    let service = Service::start(&[]);
+on_each_runtime!(dump_prints_every_managed_thread_leaf_first, dump_leaf_first);
+
+fn dump_leaf_first(runtime: Runtime) {
+    let service = Service::start_on(runtime, &[]);
     for json in [false, true] {
         let mut args = vec!["dump", "--pid"];
         let pid = service.pid.to_string();
@@ -167,8 +169,8 @@ fn a_cli_killed_mid_recording_leaves_the_process_running_and_detached() {
 
 #[test]
 fn recording_stops_and_writes_when_the_process_exits() {
-    let dll = compiled("service", Runtime::Net8);
-    let mut child = Command::new(Runtime::Net8.dotnet()).arg(&dll).arg("1.5").stdout(Stdio::piped()).spawn().unwrap();
+    let dll = compiled("service", Runtime::Net10);
+    let mut child = Command::new(Runtime::Net10.dotnet()).arg(&dll).arg("1.5").stdout(Stdio::piped()).spawn().unwrap();
     let mut first = String::new();
     BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut first).unwrap();
     let pid = first.trim().strip_prefix("ready ").unwrap().to_string();
@@ -216,14 +218,14 @@ fn attach_errors_say_what_is_wrong() {
 
     // A process already profiled (here by corsnap at start-up) cannot take a second profiler.
     let launched_log = dir.join("launched.log");
-    let dll = compiled("service", Runtime::Net8);
+    let dll = compiled("service", Runtime::Net10);
     let mut launched = Command::new(corsnap_bin())
         .args(["record", "-f", "collapsed", "-o"])
         .arg(dir.join("launched.txt"))
         .arg("--agent-log")
         .arg(&launched_log)
         .arg("--")
-        .arg(Runtime::Net8.dotnet())
+        .arg(Runtime::Net10.dotnet())
         .arg(&dll)
         .arg("20")
         .stdout(Stdio::piped())
@@ -239,10 +241,11 @@ fn attach_errors_say_what_is_wrong() {
     let _ = launched.wait();
 }
 
-#[test]
-fn event_profiles_work_after_an_attach() {
-    let service = Service::start(&[]);
-    let dir = scratch("attach-events");
+on_each_runtime!(event_profiles_work_after_an_attach, events_after_attach);
+
+fn events_after_attach(runtime: Runtime) {
+    let service = Service::start_on(runtime, &[]);
+    let dir = scratch(&format!("attach-events-{runtime:?}"));
     let out = dir.join("p.txt");
     record_pid(&service, "1.5", &["-e", "cpu", "-e", "exceptions"], &out);
     let exceptions = parse_collapsed(&std::fs::read_to_string(dir.join("p.exceptions.txt")).unwrap());

@@ -1,4 +1,4 @@
-//! `corsnap record` end to end, under the real .NET 8 and .NET Core 3.1
+//! `corsnap record` end to end, under real .NET 10, 9, 8 and Core 3.1
 //! runtimes: exact frames and proportions from small C# programs.
 
 mod support;
@@ -37,8 +37,8 @@ fn share_of_heavy(runtime: Runtime, sampler: &str) {
 }
 
 #[test]
-fn time_split_3_to_1_shows_as_75_percent_on_net8() {
-    share_of_heavy(Runtime::Net8, "signal");
+fn time_split_3_to_1_shows_as_75_percent_on_net10() {
+    share_of_heavy(Runtime::Net10, "signal");
 }
 
 #[test]
@@ -48,13 +48,13 @@ fn time_split_3_to_1_shows_as_75_percent_on_core31() {
 
 #[test]
 fn time_split_3_to_1_shows_as_75_percent_with_the_suspend_engine() {
-    share_of_heavy(Runtime::Net8, "suspend");
+    share_of_heavy(Runtime::Net10, "suspend");
     share_of_heavy(Runtime::Core31, "suspend");
 }
 
 #[test]
 fn a_200_deep_recursion_keeps_every_frame_in_order() {
-    let (stacks, _) = record_collapsed(Runtime::Net8, "recursion", "2", &[]);
+    let (stacks, _) = record_collapsed(Runtime::Net10, "recursion", "2", &[]);
     let deepest = stacks
         .iter()
         .filter(|s| s.frames.last().map(String::as_str) == Some("Deep.Bottom"))
@@ -97,8 +97,8 @@ fn named_threads(runtime: Runtime) {
 }
 
 #[test]
-fn named_threads_show_their_own_method_and_name_on_net8() {
-    named_threads(Runtime::Net8);
+fn named_threads_show_their_own_method_and_name_on_net10() {
+    named_threads(Runtime::Net10);
 }
 
 #[test]
@@ -108,7 +108,7 @@ fn named_threads_show_their_own_method_and_name_on_core31() {
 
 #[test]
 fn generic_and_nested_names_render_csharp_style() {
-    let (stacks, _) = record_collapsed(Runtime::Net8, "generics", "2", &[]);
+    let (stacks, _) = record_collapsed(Runtime::Net10, "generics", "2", &[]);
     let settle = count_with(&stacks, "Shop.Billing.Ledger<TKey>+Entry.Settle<TValue>");
     let inner = count_with(&stacks, "Shop.Billing.Outer+Inner.Work");
     assert!(settle > 0 && inner > 0, "names not found:\n{}", describe(&stacks));
@@ -117,7 +117,7 @@ fn generic_and_nested_names_render_csharp_style() {
 
 #[test]
 fn a_native_qsort_between_callback_and_caller_shows_as_native_code_with_the_suspend_engine() {
-    let (stacks, _) = record_collapsed(Runtime::Net8, "qsort", "2", &["--sampler", "suspend"]);
+    let (stacks, _) = record_collapsed(Runtime::Net10, "qsort", "2", &["--sampler", "suspend"]);
     let through_qsort = stacks
         .iter()
         .filter(|s| s.frames.windows(3).any(|w| w == ["NativeSort.SortOnce", "[native code]", "NativeSort.Compare"]))
@@ -133,7 +133,7 @@ fn program_stdio_and_exit_code_pass_through() {
     let dir = scratch("exitcode");
     let out = dir.join("p.txt");
     let output =
-        record(Runtime::Net8, "exitcode", &[], &["-f", "collapsed", "-o", out.to_str().unwrap()], Some("abc\n"));
+        record(Runtime::Net10, "exitcode", &[], &["-f", "collapsed", "-o", out.to_str().unwrap()], Some("abc\n"));
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(7), "stderr:\n{stderr}");
@@ -179,11 +179,11 @@ fn a_program_that_is_not_dotnet_gets_a_clear_error_and_keeps_its_exit_code() {
 fn sigterm_stops_the_recording_and_writes_what_was_collected() {
     let dir = scratch("sigterm");
     let out = dir.join("p.txt");
-    let dll = support::compiled("split", Runtime::Net8);
+    let dll = support::compiled("split", Runtime::Net10);
     // `timeout` signals corsnap, and then its whole process group again.
     let output = Command::new("timeout")
         .args(["2", support::corsnap_bin().to_str().unwrap(), "record", "-o", out.to_str().unwrap(), "--"])
-        .arg(Runtime::Net8.dotnet())
+        .arg(Runtime::Net10.dotnet())
         .arg(&dll)
         .arg("30")
         .env("DOTNET_SYSTEM_GLOBALIZATION_INVARIANT", "1")
@@ -219,17 +219,17 @@ fn help_lists_every_event_and_shows_examples_line_by_line() {
 fn the_output_extension_chooses_the_format() {
     let dir = scratch("extension");
     let out = dir.join("p.json");
-    let output = record(Runtime::Net8, "split", &["1"], &["-o", out.to_str().unwrap()], None);
+    let output = record(Runtime::Net10, "split", &["1"], &["-o", out.to_str().unwrap()], None);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     assert_eq!(json["profiles"][0]["unit"], "nanoseconds", "CPU time, in a unit speedscope shows");
-    let refused = record(Runtime::Net8, "split", &["1"], &["-o", out.to_str().unwrap(), "-f", "flamegraph"], None);
+    let refused = record(Runtime::Net10, "split", &["1"], &["-o", out.to_str().unwrap(), "-f", "flamegraph"], None);
     assert_eq!(refused.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&refused.stderr).contains("named like a speedscope file"));
     // A flame graph with a title of the user's, drawn top down, in time.
     let svg = dir.join("p.svg");
     let output = record(
-        Runtime::Net8,
+        Runtime::Net10,
         "split",
         &["1"],
         &["-o", svg.to_str().unwrap(), "--title", "nightly split run", "--inverted"],
@@ -244,7 +244,7 @@ fn the_output_extension_chooses_the_format() {
 
 #[test]
 fn allocation_samples_carry_the_thread_that_allocated() {
-    let (stacks, _) = record_collapsed(Runtime::Net8, "allocthreads", "1.5", &["-e", "alloc", "--threads"]);
+    let (stacks, _) = record_collapsed(Runtime::Net10, "allocthreads", "1.5", &["-e", "alloc", "--threads"]);
     let on = |thread: &str, leaf: &str| -> u64 {
         stacks
             .iter()
@@ -295,7 +295,7 @@ fn the_pause_budget_is_counted_and_can_be_lifted() {
     let dir = scratch("pause");
     let out = dir.join("p.txt");
     let lifted = record(
-        Runtime::Net8,
+        Runtime::Net10,
         "split",
         &["1"],
         &["--sampler", "suspend", "--stats", "--max-pause", "100", "-f", "collapsed", "-o", out.to_str().unwrap()],
@@ -322,7 +322,7 @@ fn a_missing_program_is_named() {
 fn raw_recordings_render_later_like_live_ones() {
     let dir = scratch("raw");
     let raw = dir.join("rec.corsnap");
-    let output = record(Runtime::Net8, "split", &["1"], &["-f", "raw", "-o", raw.to_str().unwrap()], None);
+    let output = record(Runtime::Net10, "split", &["1"], &["-f", "raw", "-o", raw.to_str().unwrap()], None);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     for (format, file) in [("collapsed", "out.txt"), ("flamegraph", "out.svg"), ("speedscope", "out.json")] {
         let out = dir.join(file);
@@ -358,7 +358,7 @@ fn raw_recordings_render_later_like_live_ones() {
 fn default_flamegraph_from_a_live_run_is_an_svg_with_the_methods() {
     let dir = scratch("svg");
     let out = dir.join("p.svg");
-    let output = record(Runtime::Net8, "threads", &["1"], &["-o", out.to_str().unwrap()], None);
+    let output = record(Runtime::Net10, "threads", &["1"], &["-o", out.to_str().unwrap()], None);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let svg = std::fs::read_to_string(&out).unwrap();
     assert!(svg.starts_with("<?xml") && svg.contains("Workers.Alpha") && svg.contains("Workers.Gamma"));
@@ -370,7 +370,7 @@ fn duration_stops_recording_while_the_program_runs_on() {
     let out = dir.join("p.txt");
     let started = std::time::Instant::now();
     let output = record(
-        Runtime::Net8,
+        Runtime::Net10,
         "split",
         &["3"],
         // No pause budget: under the suite's load it thins the ticks (the
@@ -391,7 +391,7 @@ fn cpu_profiles_leave_out_sleeping_threads_that_wall_profiles_show() {
     let dir = scratch("cpu-vs-wall");
     let out = dir.join("p.txt");
     let output = record(
-        Runtime::Net8,
+        Runtime::Net10,
         "sleeper",
         &["2"],
         &["-f", "collapsed", "--threads", "--max-pause", "100", "-e", "cpu", "-e", "wall", "-o", out.to_str().unwrap()],
@@ -413,12 +413,13 @@ fn cpu_profiles_leave_out_sleeping_threads_that_wall_profiles_show() {
     assert!(cpu_sleep * 50 < cpu_spin, "sleeper {cpu_sleep} ns vs spinner {cpu_spin} ns:\n{}", describe(&cpu));
 }
 
-#[test]
-fn exceptions_are_counted_exactly_with_their_type_as_the_leaf() {
-    let dir = scratch("exceptions");
+on_each_runtime!(exceptions_are_counted_exactly_with_their_type_as_the_leaf, exceptions_exact);
+
+fn exceptions_exact(runtime: Runtime) {
+    let dir = scratch(&format!("exceptions-{runtime:?}"));
     let out = dir.join("p.txt");
     let output = record(
-        Runtime::Net8,
+        runtime,
         "throws",
         &[],
         &["-f", "collapsed", "-e", "exceptions", "-e", "gc", "-e", "classload", "-o", out.to_str().unwrap()],
@@ -461,9 +462,10 @@ fn exceptions_are_counted_exactly_with_their_type_as_the_leaf() {
     assert_eq!(payload.iter().map(|s| s.count).sum::<u64>(), 1, "{}", describe(&loads));
 }
 
-#[test]
-fn allocation_profiles_show_the_type_and_method_that_allocate_most() {
-    let (stacks, _) = record_collapsed(Runtime::Net8, "allocs", "2", &["-e", "alloc"]);
+on_each_runtime!(allocation_profiles_show_the_type_and_method_that_allocate_most, allocations);
+
+fn allocations(runtime: Runtime) {
+    let (stacks, _) = record_collapsed(runtime, "allocs", "2", &["-e", "alloc"]);
     let total: u64 = stacks.iter().map(|s| s.count).sum();
     let nodes: u64 = stacks
         .iter()
@@ -504,7 +506,7 @@ fn pprof_holds_one_sample_type_per_event_kind() {
     let dir = scratch("pprof");
     let out = dir.join("p.pb.gz");
     let output = record(
-        Runtime::Net8,
+        Runtime::Net10,
         "throws",
         &[],
         &["-f", "pprof", "-e", "exceptions", "-e", "wall", "-o", out.to_str().unwrap()],
@@ -535,8 +537,8 @@ fn ctrl_c_stops_the_recording_and_writes_what_was_collected() {
         .arg("--agent-log")
         .arg(&log)
         .arg("--")
-        .arg(Runtime::Net8.dotnet())
-        .arg(support::compiled("split", Runtime::Net8))
+        .arg(Runtime::Net10.dotnet())
+        .arg(support::compiled("split", Runtime::Net10))
         .arg("60")
         .process_group(0)
         .stdout(std::process::Stdio::null())
@@ -568,8 +570,8 @@ fn a_terminal_gets_a_live_status_line_and_a_pipe_does_not() {
         "stty rows 24 cols 120; {} record -f collapsed -o {} -- {} {} 1",
         support::corsnap_bin().display(),
         out.display(),
-        Runtime::Net8.dotnet().display(),
-        support::compiled("split", Runtime::Net8).display()
+        Runtime::Net10.dotnet().display(),
+        support::compiled("split", Runtime::Net10).display()
     );
     // `script` runs the command on a pseudo-terminal.
     let output = Command::new("script").args(["-qec", &cmd, "/dev/null"]).output().unwrap();
@@ -581,7 +583,7 @@ fn a_terminal_gets_a_live_status_line_and_a_pipe_does_not() {
     assert!(text.contains("\x1b[1;23r") && text.contains("\x1b[24;1H") && text.contains("\x1b[r"), "{text:?}");
     let done = text.find("done ").expect("the program's output");
     assert!(!text[..done].ends_with("(Ctrl-C to stop)"), "{text:?}");
-    let piped = record(Runtime::Net8, "split", &["1"], &["-f", "collapsed", "-o", out.to_str().unwrap()], None);
+    let piped = record(Runtime::Net10, "split", &["1"], &["-f", "collapsed", "-o", out.to_str().unwrap()], None);
     assert!(!String::from_utf8_lossy(&piped.stderr).contains("corsnap: recording "));
 }
 
@@ -595,7 +597,7 @@ fn benchmark_floor_switches_do_the_runtimes_part_and_record_nothing() {
         let out = dir.join(format!("{program}.txt"));
         let mut all_args = args.to_vec();
         all_args.extend(["--stats", "-f", "collapsed", "-o", out.to_str().unwrap()]);
-        let output = record_with_env(Runtime::Net8, program, program_args, &all_args, &[env], None);
+        let output = record_with_env(Runtime::Net10, program, program_args, &all_args, &[env], None);
         let stderr = String::from_utf8_lossy(&output.stderr).to_string();
         assert!(output.status.success(), "{stderr}");
         stderr

@@ -36,8 +36,8 @@ fn the_agent_socket_its_directory_and_the_agent_log_are_private() {
         .arg("--agent-log")
         .arg(&log)
         .arg("--")
-        .arg(Runtime::Net8.dotnet())
-        .arg(compiled("threads", Runtime::Net8))
+        .arg(Runtime::Net10.dotnet())
+        .arg(compiled("threads", Runtime::Net10))
         .arg("3")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -104,8 +104,8 @@ fn an_agent_refuses_a_socket_that_belongs_to_another_user() {
     std::io::BufRead::read_line(&mut std::io::BufReader::new(impostor.stdout.as_mut().unwrap()), &mut line).unwrap();
     assert_eq!(line.trim(), "listening");
     let agent = corsnap_bin().parent().unwrap().join("libcorsnap_agent.so");
-    let program = Command::new(Runtime::Net8.dotnet())
-        .arg(compiled("threads", Runtime::Net8))
+    let program = Command::new(Runtime::Net10.dotnet())
+        .arg(compiled("threads", Runtime::Net10))
         .arg("1")
         .env("CORECLR_ENABLE_PROFILING", "1")
         .env("CORECLR_PROFILER", "{6A3B7C2E-9D41-4F8A-B5E2-3C7D1A9F0E64}")

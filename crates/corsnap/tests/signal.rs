@@ -83,10 +83,7 @@ fn phases(runtime: Runtime) {
     }
 }
 
-#[test]
-fn phases_the_program_measures_show_within_5_points_on_net8() {
-    phases(Runtime::Net8);
-}
+on_each_runtime!(phases_the_program_measures_show_within_5_points, phases);
 
 #[test]
 fn phases_the_program_measures_show_within_5_points_on_core31() {
@@ -95,7 +92,7 @@ fn phases_the_program_measures_show_within_5_points_on_core31() {
 
 #[test]
 fn a_qsort_comparer_holds_its_thread_with_libc_frames_named_between_it_and_its_caller() {
-    let (stacks, _) = run(Runtime::Net8, "qsort", &["2"], &["--threads"], &[]);
+    let (stacks, _) = run(Runtime::Net10, "qsort", &["2"], &["--threads"], &[]);
     // The main thread's samples: the first frame is its label.
     let main = stacks.iter().filter(|s| s.frames.iter().any(|f| f == "NativeSort.Main")).collect::<Vec<_>>();
     let total: u64 = main.iter().map(|s| s.count).sum();
@@ -141,17 +138,18 @@ const HOT_CHAIN: [&str; 8] =
     ["Chain.Main", "Chain.Run", "Chain.L1", "Chain.L2", "Chain.L3", "Chain.L4", "Chain.L5", "Chain.Hot"];
 const OSR_CHAIN: [&str; 3] = ["Chain.Main", "Chain.Spin", "Chain.Leaf"];
 
-#[test]
-fn frameless_tier1_chains_and_osr_loops_come_back_whole_and_agree_with_do_stack_snapshot() {
+on_each_runtime!(frameless_tier1_chains_and_osr_loops_come_back_whole_and_agree_with_do_stack_snapshot, chains);
+
+fn chains(runtime: Runtime) {
     // Tiered (Tier1 frameless callers, an OSR loop), then fully optimized
     // from the start (no tiers, no OSR).
     for (env, what) in [(&[][..], "tiered"), (&[("DOTNET_TieredCompilation", "0")][..], "TieredCompilation=0")] {
-        let (stacks, _) = run(Runtime::Net8, "chain", &["3"], &["-r", "400"], env);
+        let (stacks, _) = run(runtime, "chain", &["3"], &["-r", "400"], env);
         assert_complete(&stacks, "Chain.Hot", &HOT_CHAIN, what);
         assert_complete(&stacks, "Chain.Leaf", &OSR_CHAIN, what);
         // Ground truth: the runtime's own walker, on the same program, sees
         // the same managed frames.
-        let (truth, _) = run(Runtime::Net8, "chain", &["3"], &["-r", "400", "--sampler", "suspend"], env);
+        let (truth, _) = run(runtime, "chain", &["3"], &["-r", "400", "--sampler", "suspend"], env);
         for (leaf, expected) in [("Chain.Hot", &HOT_CHAIN[..]), ("Chain.Leaf", &OSR_CHAIN[..])] {
             let chains = chains_ending_in(&truth, leaf);
             let (top, _) =
@@ -159,17 +157,26 @@ fn frameless_tier1_chains_and_osr_loops_come_back_whole_and_agree_with_do_stack_
             assert_eq!(top, expected, "{what}: DoStackSnapshot's chain for {leaf}");
         }
     }
-    // The same on .NET Core 3.1.
+}
+
+#[test]
+fn frameless_tier1_chains_and_osr_loops_come_back_whole_on_core31() {
     let (stacks, _) = run(Runtime::Core31, "chain", &["3"], &["-r", "400"], &[]);
     assert_complete(&stacks, "Chain.Hot", &HOT_CHAIN, "3.1");
     assert_complete(&stacks, "Chain.Leaf", &OSR_CHAIN, "3.1");
 }
 
+on_each_runtime!(a_method_the_runtime_hijacks_to_stop_it_for_collections_keeps_its_caller, hijacked);
+
 #[test]
-fn a_method_the_runtime_hijacks_to_stop_it_for_collections_keeps_its_caller() {
+fn a_method_the_runtime_hijacks_to_stop_it_for_collections_keeps_its_caller_on_core31() {
+    hijacked(Runtime::Core31);
+}
+
+fn hijacked(runtime: Runtime) {
     // Without putting the hijacked return address back, 17% of Straight's
     // samples lost GcStop.Main on .NET 8 (measured).
-    for runtime in [Runtime::Net8, Runtime::Core31] {
+    {
         let (stacks, _) = run(runtime, "gcstop", &["3"], &["-r", "1000"], &[]);
         let mut total = 0;
         let mut whole = 0;
@@ -192,17 +199,18 @@ fn a_method_the_runtime_hijacks_to_stop_it_for_collections_keeps_its_caller() {
     }
 }
 
-#[test]
-fn signal_walks_agree_with_do_stack_snapshot_taken_at_the_same_instant() {
+on_each_runtime!(signal_walks_agree_with_do_stack_snapshot_taken_at_the_same_instant, verified);
+
+fn verified(runtime: Runtime) {
     // CORSNAP_VERIFY_WALKS=1: four times a second the runtime is suspended,
     // every managed thread takes a signal-engine sample where it stands, and
     // DoStackSnapshot walks it too. (It found the two walker bugs the test
     // above and the loop-jump unit test pin down.)
     for program in ["chain", "threads", "gcstop"] {
-        let dir = scratch(&format!("signal-verify-{program}"));
+        let dir = scratch(&format!("signal-verify-{program}-{runtime:?}"));
         let out = dir.join("out.txt");
         let output = record_with_env(
-            Runtime::Net8,
+            runtime,
             program,
             &["3"],
             &["-f", "collapsed", "-o", out.to_str().unwrap()],
@@ -226,15 +234,16 @@ fn signal_walks_agree_with_do_stack_snapshot_taken_at_the_same_instant() {
 fn timers_take_over_where_perf_events_are_not_allowed() {
     // --cpu-clock timer is what a container that forbids perf_event_open
     // gets: POSIX CPU timers sample instead, and stacks are just as complete.
-    let (stacks, _) = run(Runtime::Net8, "chain", &["2"], &["-r", "400", "--cpu-clock", "timer"], &[]);
+    let (stacks, _) = run(Runtime::Net10, "chain", &["2"], &["-r", "400", "--cpu-clock", "timer"], &[]);
     assert_complete(&stacks, "Chain.Hot", &HOT_CHAIN, "timers");
     let total: u64 = stacks.iter().map(|s| s.count).sum();
     assert!(total >= 1_000_000_000, "CPU nanoseconds recorded: {total}");
 }
 
-#[test]
-fn a_300_deep_recursion_is_whole() {
-    let (stacks, _) = run(Runtime::Net8, "recursion", &["2", "300"], &[], &[]);
+on_each_runtime!(a_300_deep_recursion_is_whole, deep_recursion);
+
+fn deep_recursion(runtime: Runtime) {
+    let (stacks, _) = run(runtime, "recursion", &["2", "300"], &[], &[]);
     let bottom: Vec<&Stack> =
         stacks.iter().filter(|s| s.frames.last().map(String::as_str) == Some("Deep.Bottom")).collect();
     let total: u64 = bottom.iter().map(|s| s.count).sum();
@@ -256,7 +265,7 @@ fn the_runtimes_own_threads_show_by_name_with_their_native_frames() {
     // .NET 8: server GC threads are named `.NET Server GC` by the runtime;
     // its libcoreclr.so carries no symbols, so their frames are addresses.
     let (stacks, _) =
-        run(Runtime::Net8, "gcwork", &["2"], &["--threads"], &[("DOTNET_gcServer", "1"), ("COMPlus_gcServer", "1")]);
+        run(Runtime::Net10, "gcwork", &["2"], &["--threads"], &[("DOTNET_gcServer", "1"), ("COMPlus_gcServer", "1")]);
     let gc: u64 = stacks
         .iter()
         .filter(|s| s.frames[0].starts_with(".NET Server GC tid="))
@@ -278,7 +287,7 @@ fn the_runtimes_own_threads_show_by_name_with_their_native_frames() {
 
 #[test]
 fn blocked_threads_behave_as_without_corsnap_at_1000_hz() {
-    let (_, stdout) = run(Runtime::Net8, "blocking", &["3"], &["-r", "1000"], &[]);
+    let (_, stdout) = run(Runtime::Net10, "blocking", &["3"], &["-r", "1000"], &[]);
     let mut seen = HashMap::new();
     for line in stdout.lines().filter(|l| !l.starts_with("done")) {
         let mut parts = line.split_whitespace();
@@ -300,7 +309,7 @@ fn a_program_that_takes_sigprof_for_itself_is_left_alone_with_a_warning() {
     let dir = scratch("signal-ownsignal");
     let out = dir.join("p.txt");
     let output = record_with_env(
-        Runtime::Net8,
+        Runtime::Net10,
         "ownsignal",
         &["2"],
         &["-f", "collapsed", "-o", out.to_str().unwrap()],

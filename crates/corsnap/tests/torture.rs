@@ -49,13 +49,13 @@ fn storm_under_corsnap(
     events: &[&str],
 ) -> (std::collections::HashMap<String, u64>, String, std::path::PathBuf) {
     let dir = scratch(&format!("torture-{kind}"));
-    let dll = compiled("storm", Runtime::Net8);
+    let dll = compiled("storm", Runtime::Net10);
     let mut cmd = Command::new(corsnap_bin());
     cmd.args(["record", "--stats", "-r", "1000", "-f", "collapsed", "-o"]).arg(dir.join("p.txt"));
     for e in events {
         cmd.args(["-e", e]);
     }
-    cmd.arg("--").arg(Runtime::Net8.dotnet()).arg(&dll).arg(kind).arg(seconds);
+    cmd.arg("--").arg(Runtime::Net10.dotnet()).arg(&dll).arg(kind).arg(seconds);
     let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let out = wait_with_deadline(child, Duration::from_secs(90), &format!("storm {kind}"));
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -107,14 +107,14 @@ fn exceptions_on_many_threads_are_all_recorded_while_sampling() {
 fn a_program_killed_in_the_middle_of_sampling_still_gets_its_profile_written() {
     let dir = scratch("torture-killed");
     let log = dir.join("agent.log");
-    let dll = compiled("storm", Runtime::Net8);
+    let dll = compiled("storm", Runtime::Net10);
     let cli = Command::new(corsnap_bin())
         .args(["record", "-r", "1000", "-f", "collapsed", "-o"])
         .arg(dir.join("p.txt"))
         .arg("--agent-log")
         .arg(&log)
         .arg("--")
-        .arg(Runtime::Net8.dotnet())
+        .arg(Runtime::Net10.dotnet())
         .arg(&dll)
         .args(["gc", "30"])
         .stdout(Stdio::null())
@@ -147,7 +147,7 @@ fn a_program_killed_in_the_middle_of_sampling_still_gets_its_profile_written() {
 
 /// `storm.dll all`: every storm at once, with a heartbeat.
 fn storm_service() -> Service {
-    Service::start_program(Runtime::Net8, "storm", &["all", "120"], &[])
+    Service::start_program(Runtime::Net10, "storm", &["all", "120"], &[])
 }
 
 #[test]

@@ -17,13 +17,45 @@ use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Runtime {
+    /// The default: what users run (the SDK on PATH).
+    Net10,
+    Net9,
     Net8,
     Core31,
+}
+
+/// The supported runtimes the engine-truth, attach, dump and event tests run
+/// on; .NET Core 3.1 gets a smoke set of its own.
+pub const MATRIX: [Runtime; 3] = [Runtime::Net10, Runtime::Net9, Runtime::Net8];
+
+/// One test per runtime of [`MATRIX`]: `on_each_runtime!(module, function)`
+/// makes `module::net10`, `module::net9` and `module::net8`, each calling
+/// `function(runtime)`, so a failure names its runtime and the others run.
+#[macro_export]
+macro_rules! on_each_runtime {
+    ($module:ident, $function:ident) => {
+        mod $module {
+            #[test]
+            fn net10() {
+                super::$function(super::support::Runtime::Net10)
+            }
+            #[test]
+            fn net9() {
+                super::$function(super::support::Runtime::Net9)
+            }
+            #[test]
+            fn net8() {
+                super::$function(super::support::Runtime::Net8)
+            }
+        }
+    };
 }
 
 impl Runtime {
     fn build_arg(self) -> &'static str {
         match self {
+            Runtime::Net10 => "10",
+            Runtime::Net9 => "9",
             Runtime::Net8 => "8",
             Runtime::Core31 => "3.1",
         }
@@ -31,6 +63,8 @@ impl Runtime {
 
     fn env_var(self) -> &'static str {
         match self {
+            Runtime::Net10 => "CORSNAP_DOTNET10",
+            Runtime::Net9 => "CORSNAP_DOTNET9",
             Runtime::Net8 => "CORSNAP_DOTNET8",
             Runtime::Core31 => "CORSNAP_DOTNET31",
         }
@@ -96,11 +130,6 @@ pub fn compiled(name: &str, runtime: Runtime) -> PathBuf {
         .arg(root.join("tests/programs").join(format!("{name}.cs")))
         .arg(&out)
         .arg(runtime.build_arg());
-    if std::env::var_os("CORSNAP_MCS").is_none() {
-        if let Some(mcs) = deps_env().get("CORSNAP_MCS") {
-            cmd.env("CORSNAP_MCS", mcs);
-        }
-    }
     let status = cmd.status().expect("running scripts/build-cs.sh");
     assert!(status.success(), "compiling {name}.cs for {runtime:?} failed");
     let dll = out.join(format!("{name}.dll"));
@@ -202,9 +231,14 @@ pub struct Service {
 }
 
 impl Service {
-    /// `service.cs` for two minutes on .NET 8.
+    /// `service.cs` for two minutes on .NET 10.
     pub fn start(env: &[(&str, &str)]) -> Service {
-        Service::start_program(Runtime::Net8, "service", &["120"], env)
+        Service::start_on(Runtime::Net10, env)
+    }
+
+    /// `service.cs` for two minutes on `runtime`.
+    pub fn start_on(runtime: Runtime, env: &[(&str, &str)]) -> Service {
+        Service::start_program(runtime, "service", &["120"], env)
     }
 
     pub fn start_program(runtime: Runtime, program: &str, args: &[&str], env: &[(&str, &str)]) -> Service {
