@@ -3,7 +3,9 @@
 //!
 //! Two kinds of managed code, both with Windows x64 unwind information:
 //!
-//! - **JIT'd bodies** (every tier, OSR, IL stubs). The 8 bytes before a
+//! - **JIT'd bodies** (every tier, OSR, IL stubs). Where the runtime describes
+//!   its code map (.NET 10's contract descriptor, [`crate::runtime_layout`]),
+//!   a body's start is found by the runtime's own nibble map. Else the 8 bytes before a
 //!   body's first instruction point at its `RealCodeHeader`: `MethodDesc*`
 //!   at 0x18, the number of `RUNTIME_FUNCTION`s at 0x20, the records from
 //!   0x24 (the body, then its funclets), RVAs from a base that is the body's
@@ -27,12 +29,11 @@ use corsnap_abi::process::{read_own_bytes, read_own_memory, read_own_u64};
 use corsnap_abi::{CorProfilerInfo, FunctionID, ModuleID};
 use corsnap_unwind::{unwind_info_len, ManagedCode, UnwindBytes};
 
+use crate::runtime_layout::{CodeHeaderLayout, MapLookup, RuntimeLayout};
+
 /// How far back from an address a body's start is looked for.
 const MAX_BODY_BYTES: u64 = 512 * 1024;
 const RUNTIME_FUNCTION_SIZE: usize = 12;
-const HDR_METHOD_DESC: u64 = 0x18;
-const HDR_COUNT: u64 = 0x20;
-const HDR_FUNCTIONS: u64 = 0x24;
 /// `READYTORUN_SECTION_RUNTIME_FUNCTIONS`.
 const R2R_RUNTIME_FUNCTIONS: u32 = 102;
 const R2R_SIGNATURE: u32 = 0x0052_5452; // "RTR"
@@ -52,11 +53,16 @@ pub enum Learned {
 #[derive(Debug)]
 pub struct CodeLearner {
     info: CorProfilerInfo,
+    layout: RuntimeLayout,
     /// ReadyToRun images by module (None: not one, or unreadable).
     images: HashMap<ModuleID, Option<ManagedCode>>,
     pub jit_bodies_learned: u64,
     pub images_learned: u64,
     pub stubs_learned: u64,
+    /// Bodies found through the runtime's code map, and lookups in it whose
+    /// answer failed the header check (then the scan decides).
+    pub found_by_map: u64,
+    pub map_misses: u64,
 }
 
 /// The tag of JIT'd code with no method the profiling API will name (IL
@@ -64,14 +70,39 @@ pub struct CodeLearner {
 /// stub.
 pub const STUB_TAG: u64 = 1;
 
-/// A body whose header names any method (an IL stub's), near `ip`.
-fn jit_body_any(ip: u64) -> Option<ManagedCode> {
-    jit_body(ip, None, 16 * 1024)
-}
-
 impl CodeLearner {
-    pub fn new(info: CorProfilerInfo) -> Self {
-        CodeLearner { info, images: HashMap::new(), jit_bodies_learned: 0, images_learned: 0, stubs_learned: 0 }
+    pub fn new(info: CorProfilerInfo, layout: RuntimeLayout) -> Self {
+        CodeLearner {
+            info,
+            layout,
+            images: HashMap::new(),
+            jit_bodies_learned: 0,
+            images_learned: 0,
+            stubs_learned: 0,
+            found_by_map: 0,
+            map_misses: 0,
+        }
+    }
+
+    /// A body whose header names any method (an IL stub's), near `ip`.
+    fn jit_body_any(&self, ip: u64) -> Option<ManagedCode> {
+        jit_body(&self.layout.header, ip, None, 16 * 1024)
+    }
+
+    /// The body at `ip` by the runtime's own code map, whose header names
+    /// `method_desc` (any method with `None`).
+    fn body_by_map(&mut self, ip: u64, method_desc: Option<u64>) -> Option<ManagedCode> {
+        match self.layout.lookup(ip)? {
+            MapLookup::Body { start, header } => {
+                let body = check_header(&self.layout.header, header, start, ip, method_desc);
+                match body {
+                    Some(_) => self.found_by_map += 1,
+                    None => self.map_misses += 1,
+                }
+                body
+            }
+            _ => None,
+        }
     }
 
     /// Finds the code containing `ip`.
@@ -81,14 +112,18 @@ impl CodeLearner {
             // JIT made: an IL stub (marshalling for P/Invoke and callbacks)
             // has a code header like any method. Without a method to check
             // the header against, the search is shorter and stricter.
-            if let Some(mut body) = jit_body_any(ip) {
+            let body = self.body_by_map(ip, None).or_else(|| self.jit_body_any(ip));
+            if let Some(mut body) = body {
                 self.stubs_learned += 1;
                 body.tag = STUB_TAG;
                 return Learned::Code(body);
             }
             return Learned::NotManaged;
         };
-        if let Some(body) = jit_body(ip, Some(function as u64), MAX_BODY_BYTES) {
+        let body = self
+            .body_by_map(ip, Some(function as u64))
+            .or_else(|| jit_body(&self.layout.header, ip, Some(function as u64), MAX_BODY_BYTES));
+        if let Some(body) = body {
             self.jit_bodies_learned += 1;
             return Learned::Code(body);
         }
@@ -109,7 +144,7 @@ impl CodeLearner {
 
 /// The JIT'd body containing `ip`, whose header names `method_desc` (or,
 /// with `None`, any method), starting at most `max_bytes` before `ip`.
-fn jit_body(ip: u64, method_desc: Option<u64>, max_bytes: u64) -> Option<ManagedCode> {
+fn jit_body(layout: &CodeHeaderLayout, ip: u64, method_desc: Option<u64>, max_bytes: u64) -> Option<ManagedCode> {
     let lowest = ip.saturating_sub(max_bytes);
     let mut candidate = ip & !15;
     // Read backwards a page at a time and look at each 16-byte-aligned
@@ -125,9 +160,10 @@ fn jit_body(ip: u64, method_desc: Option<u64>, max_bytes: u64) -> Option<Managed
             if !read_own_memory(page_start, &mut part) {
                 return None;
             }
-            return scan_block(page_start, &part, candidate, page_start.max(lowest), ip, method_desc);
+            return scan_block(layout, page_start, &part, candidate, page_start.max(lowest), ip, method_desc);
         }
-        if let Some(body) = scan_block(block_start, &block, candidate, block_start.max(lowest), ip, method_desc) {
+        if let Some(body) = scan_block(layout, block_start, &block, candidate, block_start.max(lowest), ip, method_desc)
+        {
             return Some(body);
         }
         candidate = block_start;
@@ -137,14 +173,22 @@ fn jit_body(ip: u64, method_desc: Option<u64>, max_bytes: u64) -> Option<Managed
 
 /// Tries starts from `from` down to `to` (16-aligned) whose header pointer
 /// lies in `bytes` (read at `at`).
-fn scan_block(at: u64, bytes: &[u8], from: u64, to: u64, ip: u64, method_desc: Option<u64>) -> Option<ManagedCode> {
+fn scan_block(
+    layout: &CodeHeaderLayout,
+    at: u64,
+    bytes: &[u8],
+    from: u64,
+    to: u64,
+    ip: u64,
+    method_desc: Option<u64>,
+) -> Option<ManagedCode> {
     let mut start = from;
     while start >= to + 8 && start >= at + 8 {
         let offset = (start - 8 - at) as usize;
         if let Some(word) = bytes.get(offset..offset + 8) {
             let header = u64::from_le_bytes(word.try_into().ok()?);
             if header > 0xffff && header % 8 == 0 && header < 1 << 47 {
-                if let Some(body) = check_header(header, start, ip, method_desc) {
+                if let Some(body) = check_header(layout, header, start, ip, method_desc) {
                     return Some(body);
                 }
             }
@@ -154,20 +198,26 @@ fn scan_block(at: u64, bytes: &[u8], from: u64, to: u64, ip: u64, method_desc: O
     None
 }
 
-fn check_header(header: u64, start: u64, ip: u64, method_desc: Option<u64>) -> Option<ManagedCode> {
-    let found = read_own_u64(header + HDR_METHOD_DESC)?;
+fn check_header(
+    layout: &CodeHeaderLayout,
+    header: u64,
+    start: u64,
+    ip: u64,
+    method_desc: Option<u64>,
+) -> Option<ManagedCode> {
+    let found = read_own_u64(header + layout.method_desc)?;
     match method_desc {
         Some(md) if found != md => return None,
         // Any method: it must at least be a readable pointer.
         None if found < 0x10000 || found % 8 != 0 || read_own_u64(found).is_none() => return None,
         _ => {}
     }
-    let count = read_own_bytes(header + HDR_COUNT, 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))?;
+    let count = read_own_bytes(header + layout.count, 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))?;
     let max_count = if method_desc.is_some() { 1024 } else { 16 };
     if count == 0 || count > max_count {
         return None;
     }
-    let raw = read_own_bytes(header + HDR_FUNCTIONS, count as usize * RUNTIME_FUNCTION_SIZE)?;
+    let raw = read_own_bytes(header + layout.functions, count as usize * RUNTIME_FUNCTION_SIZE)?;
     let mut records: Vec<[u32; 3]> = raw
         .chunks_exact(RUNTIME_FUNCTION_SIZE)
         .map(|c| {

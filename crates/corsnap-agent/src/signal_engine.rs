@@ -32,6 +32,7 @@ use corsnap_wire::{SamplerStats, NATIVE_FRAME_BIT};
 
 use crate::code_learning::{CodeLearner, Learned, STUB_TAG};
 use crate::log;
+use crate::runtime_layout::RuntimeLayout;
 use crate::symbols::Symbolizer;
 use crate::Shared;
 
@@ -181,6 +182,19 @@ impl SignalEngine {
     /// Installs the handler and arms timers on every thread. `Err` says why
     /// the engine cannot run here (the caller falls back to `suspend`).
     pub fn start(shared: Arc<Shared>, rate_hz: u32) -> Result<SignalEngine, String> {
+        // Before anything is installed: without a layout it can trust, the
+        // engine could only produce wrong stacks.
+        let version = crate::runtime_version(&shared.info);
+        let layout = RuntimeLayout::detect(&version)?;
+        log::write(format_args!(
+            "runtime {version}: code headers {:?}, code map {} (from {})",
+            layout.header,
+            match &layout.code_map {
+                Some(m) => format!("by the runtime's nibble map v{}", m.nibble_version),
+                None => "by a verified scan".to_string(),
+            },
+            layout.source
+        ));
         let sampler = SignalSampler::install(shared.use_perf).map_err(|e| match e {
             signal::InstallError::SignalInUse => {
                 "the program has its own SIGPROF handler, which corsnap will not replace".to_string()
@@ -188,7 +202,7 @@ impl SignalEngine {
             signal::InstallError::Os(e) => format!("cannot install the sampling signal handler: {e}"),
         })?;
         let mono_epoch_ns = signal::monotonic_ns().saturating_sub(shared.now_ns());
-        let learner = CodeLearner::new(shared.info);
+        let learner = CodeLearner::new(shared.info, layout);
         let mut engine = SignalEngine {
             shared,
             sampler: Some(sampler),
@@ -378,11 +392,13 @@ impl SignalEngine {
             }
             let c = signal::counters();
             log::write(format_args!(
-                "signal engine stopped: {} samples ({} walked again from their stack copy); {} JIT bodies, {} stubs \
-                 and {} images learned; {c:?}",
+                "signal engine stopped: {} samples ({} walked again from their stack copy); {} JIT bodies ({} found \
+                 by the runtime's code map, {} map answers refused), {} stubs and {} images learned; {c:?}",
                 self.samples,
                 self.rewalked,
                 self.learner.jit_bodies_learned,
+                self.learner.found_by_map,
+                self.learner.map_misses,
                 self.learner.stubs_learned,
                 self.learner.images_learned
             ));

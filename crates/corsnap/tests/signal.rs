@@ -7,7 +7,7 @@ mod support;
 
 use std::collections::HashMap;
 
-use support::{describe, managed_frames, parse_collapsed, record_with_env, scratch, Runtime, Stack};
+use support::{describe, managed_frames, parse_collapsed, record, record_with_env, scratch, Runtime, Stack};
 
 /// Records `program` with `args` and `env`; the collapsed stacks and the
 /// program's stdout.
@@ -18,6 +18,18 @@ fn run(
     args: &[&str],
     env: &[(&str, &str)],
 ) -> (Vec<Stack>, String) {
+    let (stacks, output) = run_with_output(runtime, program, program_args, args, env);
+    (stacks, String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// [`run`], with corsnap's whole output.
+fn run_with_output(
+    runtime: Runtime,
+    program: &str,
+    program_args: &[&str],
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (Vec<Stack>, std::process::Output) {
     let tag =
         format!("{program}-{runtime:?}-{}-{}", args.join("_"), env.iter().map(|e| e.0).collect::<Vec<_>>().join("_"))
             .replace(['-', '/', '.', '='], "");
@@ -29,7 +41,7 @@ fn run(
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "corsnap record failed: {:?}\nstderr:\n{stderr}", output.status);
     let text = std::fs::read_to_string(&out).unwrap_or_else(|e| panic!("no output ({e}); stderr:\n{stderr}"));
-    (parse_collapsed(&text), String::from_utf8_lossy(&output.stdout).into_owned())
+    (parse_collapsed(&text), output)
 }
 
 /// Share of the weight of stacks containing each of `methods`.
@@ -324,4 +336,53 @@ fn a_program_that_takes_sigprof_for_itself_is_left_alone_with_a_warning() {
     let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
     let spin: u64 = stacks.iter().filter(|s| s.frames.iter().any(|f| f == "OwnSignal.Spin")).map(|s| s.count).sum();
     assert!(spin >= 500_000_000, "{spin} ns in Spin:\n{}", describe(&stacks));
+}
+
+#[test]
+fn net10_code_is_found_through_the_runtimes_own_code_map() {
+    // .NET 10 describes its code map in its contract descriptor: every JIT'd
+    // body the engine learns is found by the runtime's nibble map, none by
+    // scanning back over code.
+    let dir = scratch("layout-net10");
+    let log = dir.join("agent.log");
+    let out = dir.join("out.txt");
+    let output = record(
+        Runtime::Net10,
+        "chain",
+        &["1"],
+        &["-f", "collapsed", "-o", out.to_str().unwrap(), "--agent-log", log.to_str().unwrap()],
+        None,
+    );
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(log.contains("code map by the runtime's nibble map v2 (from the runtime's contract descriptor)"), "{log}");
+    let stopped = log.lines().find(|l| l.contains("signal engine stopped")).unwrap_or_else(|| panic!("{log}"));
+    let numbers: Vec<u64> =
+        stopped.split(|c: char| !c.is_ascii_digit()).filter(|w| !w.is_empty()).map(|w| w.parse().unwrap()).collect();
+    // "... {bodies} JIT bodies ({by_map} found by the runtime's code map, {refused} map answers refused)"
+    let at = stopped.find("JIT bodies").unwrap();
+    let head: Vec<u64> = stopped[..at]
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|w| !w.is_empty())
+        .map(|w| w.parse().unwrap())
+        .collect();
+    let bodies = *head.last().unwrap();
+    let tail = &stopped[at..];
+    let by_map: u64 = tail.split('(').nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    assert!(bodies > 0 && by_map == bodies, "{stopped} ({numbers:?})");
+    assert!(tail.contains(", 0 map answers refused"), "{stopped}");
+}
+
+#[test]
+fn a_runtime_whose_layout_is_unknown_is_named_and_sampled_by_the_suspend_engine() {
+    // .NET 8 has no contract descriptor; taken for a future version, its
+    // layout is one corsnap cannot vouch for: no signal-engine stacks.
+    let (stacks, output) =
+        run_with_output(Runtime::Net8, "chain", &["1"], &["-r", "200"], &[("CORSNAP_TEST_RUNTIME_VERSION", "11.0.0")]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(".NET 11.0.0") && stderr.contains("CPU samples are taken by the suspend engine instead"),
+        "{stderr}"
+    );
+    assert!(support::count_with(&stacks, "Chain.Hot") > 0, "{}", describe(&stacks));
 }
