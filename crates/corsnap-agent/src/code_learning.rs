@@ -69,6 +69,67 @@ pub struct CodeLearner {
 /// stubs): the walk uses its unwind information, the profile calls it a
 /// stub.
 pub const STUB_TAG: u64 = 1;
+/// Tags of frameless runtime stubs (precode, virtual stub dispatch, jump
+/// stubs, the copied write barrier...): `FRAMELESS_STUB_TAG + kind`, with
+/// kind the runtime's `StubCodeBlockKind` (1-9), 0 for a stub whose kind the
+/// runtime's code map does not give. Tags below [`TAG_LIMIT`] are stubs;
+/// any other non-zero tag is a method's `MethodDesc`.
+pub const FRAMELESS_STUB_TAG: u64 = 0x10;
+pub const TAG_LIMIT: u64 = 0x100;
+/// The frame key (before `NATIVE_FRAME_BIT`) and name of a stub tag.
+pub fn stub_name(tag: u64) -> (u64, &'static str) {
+    let name = match tag.wrapping_sub(FRAMELESS_STUB_TAG) {
+        1 => "[stub: jump]",
+        3 => "[stub: dynamic helper]",
+        4 => "[stub: precode]",
+        5 => "[stub: fixup precode]",
+        6 => "[stub: virtual dispatch]",
+        7 => "[stub: virtual resolve]",
+        8 => "[stub: virtual lookup]",
+        9 => "[stub: vtable]",
+        _ => "[runtime stub]",
+    };
+    (0x100 + tag, name)
+}
+
+/// Whether a frame key (without `NATIVE_FRAME_BIT`) is a stub's.
+pub fn is_stub_key(key: u64) -> bool {
+    key == 3 || (0x100 + FRAMELESS_STUB_TAG..0x100 + TAG_LIMIT).contains(&key)
+}
+
+/// A frameless stub region: one function table entry over `range` whose
+/// unwind information has no codes, so a step through it takes the return
+/// address on top of the stack (stubs push nothing before they jump on).
+fn frameless_stub(range: std::ops::Range<u64>, kind: u64) -> ManagedCode {
+    let len = (range.end - range.start) as u32;
+    let mut functions = Vec::with_capacity(12);
+    for w in [0u32, len, len] {
+        functions.extend_from_slice(&w.to_le_bytes());
+    }
+    ManagedCode {
+        code: range.clone(),
+        base: range.start,
+        functions: functions.into(),
+        // UNWIND_INFO version 1, no prologue, no codes, no frame register.
+        unwind: UnwindBytes::Copied { rva: len, bytes: vec![1u8, 0, 0, 0].into() },
+        tag: FRAMELESS_STUB_TAG + kind,
+    }
+}
+
+/// The executable mapping of the runtime's own memory
+/// (`/memfd:doublemapper`, where .NET 7+ puts JIT'd code and every stub it
+/// generates) that holds `ip`, if any.
+fn runtime_code_mapping(ip: u64) -> Option<std::ops::Range<u64>> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        let (start, end) = fields.next()?.split_once('-')?;
+        let range = u64::from_str_radix(start, 16).ok()?..u64::from_str_radix(end, 16).ok()?;
+        let perms = fields.next()?;
+        let path = fields.nth(3).unwrap_or("");
+        (range.contains(&ip) && perms.contains('x') && path.starts_with("/memfd:doublemapper")).then_some(range)
+    })
+}
 
 impl CodeLearner {
     pub fn new(info: CorProfilerInfo, layout: RuntimeLayout) -> Self {
@@ -117,6 +178,18 @@ impl CodeLearner {
                 self.stubs_learned += 1;
                 body.tag = STUB_TAG;
                 return Learned::Code(body);
+            }
+            // A stub the runtime generated, as a frameless region: a page of
+            // a stub range whole (those hold nothing else); in a code heap,
+            // where method bodies may follow, only up to the address.
+            let stub = match self.layout.lookup(ip) {
+                Some(MapLookup::StubBlock { start, kind }) if kind < 0x10 => Some((start..ip + 1, kind)),
+                Some(MapLookup::StubRange) => Some((ip & !0xfff..(ip & !0xfff) + 0x1000, 0)),
+                _ => runtime_code_mapping(ip).map(|_| (ip..ip + 1, 0)),
+            };
+            if let Some((range, kind)) = stub {
+                self.stubs_learned += 1;
+                return Learned::Code(frameless_stub(range, kind));
             }
             return Learned::NotManaged;
         };

@@ -86,8 +86,9 @@ const RANGE_SECTION_INTERPRETER: u64 = 8;
 pub enum MapLookup {
     /// In a JIT code heap: the body's start and its `RealCodeHeader`.
     Body { start: u64, header: u64 },
-    /// In a code heap, in a block of stubs (`StubCodeBlockKind`).
-    StubBlock { kind: u64 },
+    /// In a code heap, in a block of stubs starting at `start`
+    /// (`StubCodeBlockKind`).
+    StubBlock { start: u64, kind: u64 },
     /// In a range of stubs (precode, virtual stub dispatch...).
     StubRange,
     /// In a ReadyToRun image.
@@ -182,7 +183,7 @@ impl RuntimeLayout {
         let code_start = map_base + code_start;
         let header = read_own_u64(code_start - 8)?;
         if header <= s.stub_code_block_last {
-            return Some(MapLookup::StubBlock { kind: header });
+            return Some(MapLookup::StubBlock { start: code_start, kind: header });
         }
         Some(MapLookup::Body { start: code_start, header })
     }

@@ -553,6 +553,54 @@ impl SignalEngine {
                 })
                 .collect();
             log::write(format_args!("walk flags {walk_flags:#x}: {}", desc.join(" ")));
+            for &f in raw.iter().take(1) {
+                let a = lookup_address(f);
+                if self.map.managed_at(a).is_none() && self.map.native_at(a).is_none() {
+                    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+                    let line = maps.lines().find(|l| {
+                        let r = l.split_whitespace().next().unwrap_or("");
+                        let (x, y) = r.split_once('-').unwrap_or(("0", "0"));
+                        (u64::from_str_radix(x, 16).unwrap_or(0)..u64::from_str_radix(y, 16).unwrap_or(0)).contains(&a)
+                    });
+                    let code = corsnap_abi::process::read_own_bytes(a & !0xf, 48);
+                    log::write(format_args!("unknown leaf {a:#x} in {line:?}: {:02x?}", code));
+                }
+            }
+            // Where a managed frame's caller is unknown code: the function's
+            // unwind record and code, to see why.
+            for pair in raw.windows(2) {
+                let (a, b) = (lookup_address(pair[0]), lookup_address(pair[1]));
+                let (Some(m), true) =
+                    (self.map.managed_at(a), self.map.managed_at(b).is_none() && self.map.native_at(b).is_none())
+                else {
+                    continue;
+                };
+                let Some(f) = m.function_at(a) else { continue };
+                let rva = (f.start - m.base) as usize;
+                let entry = m
+                    .functions
+                    .chunks_exact(12)
+                    .find(|c| u32::from_le_bytes(c[0..4].try_into().unwrap()) as usize == rva);
+                let unwind_rva = entry.map(|c| u32::from_le_bytes(c[8..12].try_into().unwrap()));
+                let unwind = match (&m.unwind, unwind_rva) {
+                    (corsnap_unwind::UnwindBytes::Copied { rva: first, bytes }, Some(u)) => {
+                        bytes.get((u - first) as usize..).map(|b| b[..b.len().min(40)].to_vec())
+                    }
+                    (_, Some(u)) => corsnap_abi::process::read_own_bytes(m.base + u64::from(u), 40),
+                    _ => None,
+                };
+                let code = corsnap_abi::process::read_own_bytes(f.start, (f.end - f.start).min(4096) as usize);
+                log::write(format_args!(
+                    "unwound badly: ip {:#x} = fn {:#x}+{:#x} (len {:#x}), exact {}, unwind {:02x?}, code {}",
+                    a,
+                    f.start,
+                    a - f.start,
+                    f.end - f.start,
+                    pair[0] & corsnap_unwind::EXACT_IP != 0,
+                    unwind,
+                    code.map(|c| c.iter().map(|b| format!("{b:02x}")).collect::<String>()).unwrap_or_default()
+                ));
+            }
         }
         // Threads repeat their stacks: a stack seen before is one lookup.
         if let Some(known) = self.stack_ids.get(raw) {
@@ -561,7 +609,9 @@ impl SignalEngine {
             for &frame in raw {
                 let key = self.frame_id(lookup_address(frame));
                 // A run of frames in one unnamed place reads as one frame.
-                if (key == UNKNOWN_CODE_KEY || key == STUB_KEY) && frames.last() == Some(&key) {
+                if (key == UNKNOWN_CODE_KEY || crate::code_learning::is_stub_key(key & !NATIVE_FRAME_BIT))
+                    && frames.last() == Some(&key)
+                {
                     continue;
                 }
                 frames.push(key);
@@ -609,17 +659,8 @@ impl SignalEngine {
 
     fn identify(&mut self, addr: u64) -> u64 {
         if let Some(region) = self.map.managed_at(addr) {
-            if region.tag == STUB_TAG {
-                return self.stub();
-            }
-            if region.tag != 0 {
-                return self.managed(region.tag as FunctionID);
-            }
-            // An image: ask the runtime which method (once per address).
-            return match self.shared.info.get_function_from_ip(addr as usize) {
-                Ok(f) => self.managed(f),
-                Err(_) => self.unknown_code(),
-            };
+            let tag = region.tag;
+            return self.tagged(tag, addr);
         }
         if let Some(module) = self.map.native_at(addr) {
             let (path, bias) = (module.name.clone(), module.bias);
@@ -635,27 +676,13 @@ impl SignalEngine {
         // Learned earlier in this round, not yet in the published map.
         if let Some(code) = self.managed.iter().rev().find(|m| m.code.contains(&addr)) {
             let tag = code.tag;
-            return match tag {
-                STUB_TAG => self.stub(),
-                0 => match self.shared.info.get_function_from_ip(addr as usize) {
-                    Ok(f) => self.managed(f),
-                    Err(_) => self.unknown_code(),
-                },
-                f => self.managed(f as FunctionID),
-            };
+            return self.tagged(tag, addr);
         }
         match self.learner.learn(addr) {
             Learned::Code(code) => {
                 let tag = code.tag;
                 self.add_managed(code);
-                match tag {
-                    STUB_TAG => self.stub(),
-                    0 => match self.shared.info.get_function_from_ip(addr as usize) {
-                        Ok(f) => self.managed(f),
-                        Err(_) => self.unknown_code(),
-                    },
-                    f => self.managed(f as FunctionID),
-                }
+                self.tagged(tag, addr)
             }
             Learned::FunctionOnly(f) => self.managed(f),
             Learned::NotManaged => {
@@ -673,9 +700,26 @@ impl SignalEngine {
         function as u64
     }
 
-    fn stub(&mut self) -> u64 {
-        self.note_name(FrameName::Native { key: STUB_KEY, name: "[runtime stub]".into(), module: String::new() });
-        STUB_KEY
+    /// The frame of an address in a region of the code map, by its tag.
+    fn tagged(&mut self, tag: u64, addr: u64) -> u64 {
+        match tag {
+            // An image: ask the runtime which method (once per address).
+            0 => match self.shared.info.get_function_from_ip(addr as usize) {
+                Ok(f) => self.managed(f),
+                Err(_) => self.unknown_code(),
+            },
+            STUB_TAG => self.stub(STUB_KEY, "[runtime stub]"),
+            t if t < crate::code_learning::TAG_LIMIT => {
+                let (key, name) = crate::code_learning::stub_name(t);
+                self.stub(NATIVE_FRAME_BIT | key, name)
+            }
+            f => self.managed(f as FunctionID),
+        }
+    }
+
+    fn stub(&mut self, key: u64, name: &str) -> u64 {
+        self.note_name(FrameName::Native { key, name: name.into(), module: String::new() });
+        key
     }
 
     fn unknown_code(&mut self) -> u64 {

@@ -584,6 +584,14 @@ fn managed_step<M: Memory>(region: &ManagedCode, mem: &M, regs: Regs, exact: boo
             }
         }
     };
+    if let Some(info) = memory_at_rva(function.unwind_info_address.get()) {
+        if large_frame::uses_large_frame(info) {
+            let at = region.base + u64::from(rva);
+            let code = mem.code_bytes(at..function_end.max(at)).unwrap_or(&[]);
+            let offset = u64::from(rva - function.begin_address.get());
+            return Some(large_frame::step(info, mem, regs, offset, code));
+        }
+    }
     let mut state = PeState { sp: regs.sp, bp: regs.bp, mem };
     Some(match entries.unwind_frame(&mut state, memory_at_rva, rva) {
         Some(ra) => Step::Next(Regs { ip: ra, sp: state.sp, bp: state.bp }),
@@ -633,6 +641,8 @@ fn frame_pointer_step<M: Memory>(mem: &M, regs: Regs) -> Step {
         _ => Step::Lost,
     }
 }
+
+mod large_frame;
 
 #[cfg(test)]
 mod tests;

@@ -258,3 +258,71 @@ fn garbage_never_panics_and_never_reads_outside_the_stack() {
         assert!(!frames.is_empty());
     }
 }
+
+/// .NET 10's `String.SplitInternal` prologue, as its Tier1 body had it:
+/// six pushes, `sub rsp, 0x2d8`, `lea rbp, [rsp+0x300]`; later a
+/// `stackalloc` moves RSP by 0x200 more, which no unwind code records.
+const SPLIT_PROLOGUE: [u8; 25] = [
+    0x55, 0x41, 0x57, 0x41, 0x56, 0x41, 0x55, 0x41, 0x54, 0x53, 0x48, 0x81, 0xec, 0xd8, 0x02, 0x00, 0x00, 0x48, 0x8d,
+    0xac, 0x24, 0x00, 0x03, 0x00, 0x00,
+];
+/// Its UNWIND_INFO, as read from the live process: frame register RBP,
+/// `UWOP_SET_FPREG_LARGE` (0x30 * 16 = 0x300), `UWOP_ALLOC_LARGE` 0x5b * 8,
+/// then the pushes.
+const SPLIT_UNWIND: [u8; 28] = [
+    0x19, 0x19, 0x0b, 0xf5, 0x19, 0x0b, 0x30, 0x00, 0x00, 0x00, 0x11, 0x01, 0x5b, 0x00, 0x0a, 0x30, 0x09, 0xc0, 0x07,
+    0xd0, 0x05, 0xe0, 0x03, 0xf0, 0x01, 0x50, 0, 0,
+];
+/// Its epilogue: `lea rsp, [rbp-0x28]`, six pops, `ret`.
+const SPLIT_EPILOGUE: [u8; 15] =
+    [0x48, 0x8d, 0x65, 0xd8, 0x5b, 0x41, 0x5c, 0x41, 0x5d, 0x41, 0x5e, 0x41, 0x5f, 0x5d, 0xc3];
+
+const LARGE: u64 = 0x20000;
+
+/// A large-frame function at LARGE called from A3's return address, with
+/// its body (`nop`s, a call site at 0x40) and epilogue; the memory and the
+/// frame's rbp.
+fn large_frame() -> (CodeMap, Recorded, u64) {
+    let mut code = SPLIT_PROLOGUE.to_vec();
+    code.resize(0x60, 0x90);
+    code.extend_from_slice(&SPLIT_EPILOGUE);
+    let (region, c) = body(LARGE, &code, &SPLIT_UNWIND);
+    let sp0 = STACK_TOP - 0x1000; // the stack pointer at the call into the function
+    let mut stack = HashMap::new();
+    stack.insert(sp0, A3 + 6); // return address
+    stack.insert(sp0 - 8, 0x5555); // caller's rbp
+    let after_pushes = sp0 - 48;
+    let frame_base = after_pushes - 0x2d8;
+    let rbp = frame_base + 0x300;
+    // `lea rsp, [rbp-0x28]` lands on the pushed rbx.
+    assert_eq!(rbp - 0x28, after_pushes);
+    let (a3, a3_code) = body(A3, &FRAMELESS, &FRAMELESS_UNWIND);
+    let stacks = vec![Range { start: STACK_TOP - 0x10000, end: STACK_TOP }];
+    let map = CodeMap::new(Vec::new(), vec![region, a3], stacks, 0);
+    let mem = Recorded { stack, stack_range: STACK_TOP - 0x10000..STACK_TOP, code: vec![c, a3_code] };
+    (map, mem, rbp)
+}
+
+#[test]
+fn a_frame_set_by_uwop_set_fpreg_large_unwinds_from_its_frame_pointer() {
+    let (map, mem, rbp) = large_frame();
+    let sp0 = STACK_TOP - 0x1000;
+    // In the body, after a 0x200-byte stackalloc and a call's return address.
+    let frame_base = rbp - 0x300;
+    let regs = Regs { ip: LARGE + 0x41, sp: frame_base - 0x200 - 8, bp: rbp };
+    let mut out = [0u64; 8];
+    let w = walk(&map, &mem, regs, &mut WalkCache::new(), &mut out);
+    assert!(w.len >= 2, "{w:?}");
+    assert_eq!(address_of(out[1]), A3 + 6, "{:x?}", &out[..w.len]);
+    // In the epilogue (at its pops), and at its `ret`.
+    for (at, sp) in [(0x60 + 4, rbp - 0x28), (0x60 + 14, sp0)] {
+        let regs = Regs { ip: LARGE + at, sp, bp: rbp };
+        let w = walk(&map, &mem, regs, &mut WalkCache::new(), &mut out);
+        assert!(w.len >= 2, "at {at:#x}: {w:?}");
+        assert_eq!(address_of(out[1]), A3 + 6, "at {at:#x}: {:x?}", &out[..w.len]);
+    }
+    // In the prologue, after three pushes: only they are undone.
+    let regs = Regs { ip: LARGE + 5, sp: sp0 - 24, bp: 0x5555 };
+    let w = walk(&map, &mem, regs, &mut WalkCache::new(), &mut out);
+    assert_eq!(address_of(out[1]), A3 + 6, "{:x?}", &out[..w.len]);
+}
