@@ -78,6 +78,8 @@ const STACK_CACHE_CAP: usize = 20_000;
 pub const UNKNOWN_CODE_KEY: u64 = NATIVE_FRAME_BIT | 1;
 pub const INCOMPLETE_KEY: u64 = NATIVE_FRAME_BIT | 2;
 pub const STUB_KEY: u64 = NATIVE_FRAME_BIT | 3;
+/// `[garbage collection]`: see [`crate::gc_windows`].
+pub const GC_KEY: u64 = NATIVE_FRAME_BIT | 4;
 
 /// One sample, resolved to frame ids.
 #[derive(Debug, Clone)]
@@ -126,6 +128,15 @@ pub struct SignalEngine {
     interval_ns: u64,
     enabled: bool,
     threads: HashMap<u32, Sampled>,
+    /// Native frame keys without a symbol (`libcoreclr.so+0x…`).
+    anonymous: HashSet<u64>,
+    /// Native frame keys of libc's thread start.
+    thread_start: HashSet<u64>,
+    /// Native frame keys of the collector's functions, by their symbols.
+    collector: HashSet<u64>,
+    /// Per thread: whether the runtime named it as a GC thread, and how
+    /// many times that was asked.
+    gc_threads: HashMap<u32, (bool, u32)>,
     /// Threads that could not be given a timer (gone before it was made).
     refused: HashSet<u32>,
     own_tids: HashSet<u32>,
@@ -209,6 +220,10 @@ impl SignalEngine {
             interval_ns: interval_ns(rate_hz.max(1)),
             enabled: rate_hz > 0,
             threads: HashMap::new(),
+            anonymous: HashSet::new(),
+            thread_start: HashSet::new(),
+            collector: HashSet::new(),
+            gc_threads: HashMap::new(),
             refused: HashSet::new(),
             own_tids: HashSet::new(),
             next_scan: Instant::now(),
@@ -622,6 +637,9 @@ impl SignalEngine {
             }
             self.stack_ids.insert(raw.to_vec(), frames.clone());
         }
+        if self.in_gc(tid, time_ns, &frames) {
+            self.mark_gc(&mut frames);
+        }
         if walk_flags & flags::LOST != 0 {
             self.incomplete += 1;
             self.note_name(FrameName::Native {
@@ -666,6 +684,14 @@ impl SignalEngine {
             let (path, bias) = (module.name.clone(), module.bias);
             let n = self.symbols.name(&path, bias, addr);
             let key = n.key;
+            if n.name.contains("+0x") {
+                self.anonymous.insert(key);
+            } else if n.name.ends_with("!clone3") || n.name.ends_with("!start_thread") || n.name.ends_with("!clone") {
+                self.thread_start.insert(key);
+            } else if n.name.contains("gc_heap::") || n.name.contains("GCHeap::") {
+                // Where the runtime has symbols, the collector's own frames.
+                self.collector.insert(key);
+            }
             self.note_name(FrameName::Native { key, name: n.name, module: n.module });
             return key;
         }
@@ -698,6 +724,45 @@ impl SignalEngine {
     fn managed(&mut self, function: FunctionID) -> u64 {
         self.note_name(FrameName::Managed(function));
         function as u64
+    }
+
+    /// Whether a sample of `tid` at `time` (monotonic), with `frames` (leaf
+    /// first), was taken in a garbage collection: on the collecting thread
+    /// between the runtime's start and end callbacks, on one of the
+    /// runtime's GC threads (by its name; native frames only), or in the
+    /// collector's code by its symbols where the runtime has them.
+    fn in_gc(&mut self, tid: u32, time: u64, frames: &[u64]) -> bool {
+        if frames.iter().any(|k| self.collector.contains(k)) {
+            return true;
+        }
+        if frames.iter().any(|&k| k & NATIVE_FRAME_BIT == 0) {
+            return self.shared.gc_windows.collecting(tid, time);
+        }
+        let checks = self.gc_threads.entry(tid).or_insert((false, 0));
+        // Read the name again now and then: a thread is named after it starts.
+        if !checks.0 && checks.1 % 64 == 0 {
+            let comm = std::fs::read_to_string(format!("/proc/self/task/{tid}/comm")).unwrap_or_default();
+            checks.0 = crate::gc_windows::is_gc_thread_name(&comm);
+        }
+        checks.1 += 1;
+        checks.0 || self.shared.gc_windows.collecting(tid, time)
+    }
+
+    /// Puts `[garbage collection]` right above the sample's managed frames
+    /// (at the root of a GC thread's), in place of the runtime's anonymous
+    /// frames above them; frames with names stay, above it.
+    fn mark_gc(&mut self, frames: &mut Vec<u64>) {
+        let managed = frames.iter().position(|&k| k & NATIVE_FRAME_BIT == 0);
+        let above = managed.unwrap_or(frames.len());
+        // A GC thread's own start (libc's `clone3`, `start_thread`) would
+        // read as called by the collection: it goes, with the anonymous.
+        let thread_start = |k: &u64| managed.is_none() && self.thread_start.contains(k);
+        let mut marked: Vec<u64> =
+            frames[..above].iter().copied().filter(|k| !self.anonymous.contains(k) && !thread_start(k)).collect();
+        marked.push(GC_KEY);
+        marked.extend_from_slice(&frames[above..]);
+        *frames = marked;
+        self.note_name(FrameName::Native { key: GC_KEY, name: "[garbage collection]".into(), module: String::new() });
     }
 
     /// The frame of an address in a region of the code map, by its tag.

@@ -272,29 +272,54 @@ fn deep_recursion(runtime: Runtime) {
     assert!(total > 0 && whole * 100 >= total * 99, "{whole} of {total} whole:\n{}", describe(&stacks));
 }
 
+on_each_runtime!(garbage_collection_reads_as_garbage_collection, collections);
+
 #[test]
-fn the_runtimes_own_threads_show_by_name_with_their_native_frames() {
-    // .NET 8: server GC threads are named `.NET Server GC` by the runtime;
-    // its libcoreclr.so carries no symbols, so their frames are addresses.
-    let (stacks, _) =
-        run(Runtime::Net10, "gcwork", &["2"], &["--threads"], &[("DOTNET_gcServer", "1"), ("COMPlus_gcServer", "1")]);
-    let gc: u64 = stacks
-        .iter()
-        .filter(|s| s.frames[0].starts_with(".NET Server GC tid="))
-        .filter(|s| s.frames.iter().any(|f| f.starts_with("libcoreclr.so")))
-        .map(|s| s.count)
-        .sum();
+fn garbage_collection_reads_as_garbage_collection_on_core31() {
+    collections(Runtime::Core31);
+}
+
+/// Time spent collecting reads as `[garbage collection]`, on the runtime's
+/// GC threads (named by the runtime) and on a thread collecting for itself,
+/// right above its managed frames; the collector's anonymous frames
+/// (`libcoreclr.so+0x…`: Microsoft ships the library without symbols) are
+/// gone, its named ones (3.1's library has symbols) stay beneath.
+fn collections(runtime: Runtime) {
+    let server = [("DOTNET_gcServer", "1"), ("COMPlus_gcServer", "1")];
+    let (stacks, _) = run(runtime, "gcwork", &["2"], &["--threads"], &server);
     let total: u64 = stacks.iter().map(|s| s.count).sum();
-    assert!(gc * 10 >= total, "GC threads have {gc} of {total} ns:\n{}", describe(&stacks));
-    // .NET Core 3.1's libcoreclr.so has its symbols: the GC by name.
-    let (stacks, _) =
-        run(Runtime::Core31, "gcwork", &["2"], &["--threads"], &[("DOTNET_gcServer", "1"), ("COMPlus_gcServer", "1")]);
-    let gc_heap: u64 = stacks
+    // The runtime names its server GC threads (.NET 5 and later); 3.1 does
+    // not, and its symbols tell them instead.
+    let gc_threads: Vec<&Stack> = stacks
         .iter()
-        .filter(|s| s.frames.iter().any(|f| f.starts_with("libcoreclr.so!SVR::gc_heap::gc_thread_function")))
-        .map(|s| s.count)
-        .sum();
-    assert!(gc_heap > 0, "no gc_heap frames on 3.1:\n{}", describe(&stacks));
+        .filter(|s| {
+            s.frames[0].starts_with(".NET Server GC tid=")
+                || s.frames.iter().any(|f| f == "libcoreclr.so!SVR::gc_heap::gc_thread_function")
+        })
+        .collect();
+    let on_gc_threads: u64 = gc_threads.iter().map(|s| s.count).sum();
+    assert!(
+        on_gc_threads * 10 >= total,
+        "{runtime:?}: GC threads have {on_gc_threads} of {total} ns:\n{}",
+        describe(&stacks)
+    );
+    for s in &gc_threads {
+        assert_eq!(s.frames.get(1).map(String::as_str), Some("[garbage collection]"), "{runtime:?}: {:?}", s.frames);
+        assert!(!s.frames.iter().any(|f| f.starts_with("libcoreclr.so+0x")), "{runtime:?}: {:?}", s.frames);
+    }
+    // Workstation, non-concurrent: the allocating thread collects itself.
+    let workstation = [("DOTNET_gcServer", "0"), ("DOTNET_gcConcurrent", "0"), ("COMPlus_gcConcurrent", "0")];
+    let (stacks, _) = run(runtime, "gcwork", &["2"], &[], &workstation);
+    let total: u64 = stacks.iter().map(|s| s.count).sum();
+    let collecting: Vec<&Stack> =
+        stacks.iter().filter(|s| s.frames.iter().any(|f| f == "[garbage collection]")).collect();
+    let weight: u64 = collecting.iter().map(|s| s.count).sum();
+    assert!(weight * 5 >= total, "{runtime:?}: {weight} of {total} ns in collections:\n{}", describe(&stacks));
+    for s in &collecting {
+        let at = s.frames.iter().position(|f| f == "[garbage collection]").unwrap();
+        assert!(at > 0 && !support::is_native(&s.frames[at - 1]), "{runtime:?}: {:?}", s.frames);
+        assert!(!s.frames[at..].iter().any(|f| f.starts_with("libcoreclr.so+0x")), "{runtime:?}: {:?}", s.frames);
+    }
 }
 
 #[test]
