@@ -740,7 +740,7 @@ impl SignalEngine {
         }
         let checks = self.gc_threads.entry(tid).or_insert((false, 0));
         // Read the name again now and then: a thread is named after it starts.
-        if !checks.0 && checks.1 % 64 == 0 {
+        if !checks.0 && checks.1.is_multiple_of(64) {
             let comm = std::fs::read_to_string(format!("/proc/self/task/{tid}/comm")).unwrap_or_default();
             checks.0 = crate::gc_windows::is_gc_thread_name(&comm);
         }
