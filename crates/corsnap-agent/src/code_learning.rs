@@ -97,9 +97,8 @@ pub fn is_stub_key(key: u64) -> bool {
     key == 3 || (0x100 + FRAMELESS_STUB_TAG..0x100 + TAG_LIMIT).contains(&key)
 }
 
-/// A frameless stub region: one function table entry over `range` whose
-/// unwind information has no codes, so a step through it takes the return
-/// address on top of the stack (stubs push nothing before they jump on).
+/// A frameless stub region ([`ManagedCode::frameless`]); its function
+/// table (one entry without unwind codes) is there for the resolver only.
 fn frameless_stub(range: std::ops::Range<u64>, kind: u64) -> ManagedCode {
     let len = (range.end - range.start) as u32;
     let mut functions = Vec::with_capacity(12);
@@ -113,6 +112,7 @@ fn frameless_stub(range: std::ops::Range<u64>, kind: u64) -> ManagedCode {
         // UNWIND_INFO version 1, no prologue, no codes, no frame register.
         unwind: UnwindBytes::Copied { rva: len, bytes: vec![1u8, 0, 0, 0].into() },
         tag: FRAMELESS_STUB_TAG + kind,
+        frameless: true,
     }
 }
 
@@ -336,6 +336,7 @@ fn check_header(
         functions: functions.into(),
         unwind: UnwindBytes::Copied { rva: (span_start - base) as u32, bytes: unwind.into() },
         tag: found,
+        frameless: false,
     })
 }
 
@@ -401,5 +402,6 @@ pub fn ready_to_run_image(base: u64) -> Option<ManagedCode> {
         functions: functions.into(),
         unwind: UnwindBytes::InCode,
         tag: 0,
+        frameless: false,
     })
 }

@@ -551,7 +551,8 @@ impl SignalEngine {
         }
         let mut frames = Vec::with_capacity(raw.len() + 1);
         if self.debug_walks
-            && (self.samples.is_multiple_of(50) || walk_flags & (flags::UNKNOWN_CODE | signal::REQUESTED) != 0)
+            && (self.samples.is_multiple_of(50)
+                || walk_flags & (flags::UNKNOWN_CODE | flags::LOST | signal::REQUESTED) != 0)
         {
             let desc: Vec<String> = raw
                 .iter()
@@ -583,7 +584,8 @@ impl SignalEngine {
             }
             // Where a managed frame's caller is unknown code: the function's
             // unwind record and code, to see why.
-            for pair in raw.windows(2) {
+            let lost_tail = (walk_flags & flags::LOST != 0).then(|| [*raw.last().unwrap_or(&0), 1]);
+            for pair in raw.windows(2).chain(lost_tail.as_ref().map(|t| &t[..])) {
                 let (a, b) = (lookup_address(pair[0]), lookup_address(pair[1]));
                 let (Some(m), true) =
                     (self.map.managed_at(a), self.map.managed_at(b).is_none() && self.map.native_at(b).is_none())

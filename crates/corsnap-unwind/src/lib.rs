@@ -210,6 +210,12 @@ pub struct ManagedCode {
     pub unwind: UnwindBytes,
     /// Opaque to the walker: tells the resolver what this region is.
     pub tag: u64,
+    /// A runtime stub with no unwind information (precode, virtual stub
+    /// dispatch, the copied write barrier): a leaf that has pushed at most a
+    /// word or two before it jumps on, stepped over by the first of
+    /// `[rsp]`, `[rsp+8]`, `[rsp+16]` that is a return address into known
+    /// code. The function table is not used.
+    pub frameless: bool,
 }
 
 impl ManagedCode {
@@ -411,7 +417,9 @@ pub fn walk_until<M: Memory>(
         }
         let lookup = if exact { regs.ip } else { regs.ip - 1 };
         let mut unknown = false;
-        let step = if let Some(region) = map.managed_at(lookup) {
+        let step = if let Some(region) = map.managed_at(lookup).filter(|r| r.frameless) {
+            stub_step(map, mem, regs, exact, region)
+        } else if let Some(region) = map.managed_at(lookup) {
             match managed_step(region, mem, regs, exact) {
                 Some(Step::Next(mut next)) => {
                     // Managed code returns into native code only at a few
@@ -628,6 +636,28 @@ fn unknown_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool) -> S
                 return Step::Next(Regs { ip: ra, sp: regs.sp + 8, bp: regs.bp });
             }
         }
+    }
+    frame_pointer_step(mem, regs)
+}
+
+/// A runtime stub ([`ManagedCode::frameless`]): at the leaf, the return
+/// address is on top of the stack, or just under a word or two the stub
+/// pushed; a stub met as a caller (it called out, which stubs do only on
+/// their slow paths) goes on by the frame pointer.
+fn stub_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool, region: &ManagedCode) -> Step {
+    if exact {
+        for offset in [0u64, 8, 16] {
+            if let Some(ra) = mem.stack_word(regs.sp + offset) {
+                if map.is_code(ra) && !region.code.contains(&ra) {
+                    return Step::Next(Regs { ip: ra, sp: regs.sp + offset + 8, bp: regs.bp });
+                }
+            }
+        }
+        // Into code not learned yet: the word on top, as any leaf stub.
+        if let Some(ra) = mem.stack_word(regs.sp) {
+            return Step::Next(Regs { ip: ra, sp: regs.sp + 8, bp: regs.bp });
+        }
+        return Step::Lost;
     }
     frame_pointer_step(mem, regs)
 }

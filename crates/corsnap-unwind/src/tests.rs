@@ -46,6 +46,7 @@ fn body(start: u64, code: &[u8], unwind: &[u8]) -> (ManagedCode, (u64, Vec<u8>))
         functions: functions.into(),
         unwind: UnwindBytes::Copied { rva: unwind_rva, bytes: unwind.to_vec().into() },
         tag: start,
+        frameless: false,
     };
     (region, (start, code.to_vec()))
 }
@@ -324,5 +325,66 @@ fn a_frame_set_by_uwop_set_fpreg_large_unwinds_from_its_frame_pointer() {
     // In the prologue, after three pushes: only they are undone.
     let regs = Regs { ip: LARGE + 5, sp: sp0 - 24, bp: 0x5555 };
     let w = walk(&map, &mem, regs, &mut WalkCache::new(), &mut out);
+    assert_eq!(address_of(out[1]), A3 + 6, "{:x?}", &out[..w.len]);
+}
+
+#[test]
+fn a_stub_that_pushed_a_word_is_stepped_over_to_its_caller() {
+    // A virtual-dispatch resolve stub pushes rdx before its lookup: the
+    // return address is one word down. Its region has no unwind information.
+    let (map, mut mem, _) = chain();
+    let stub = ManagedCode {
+        code: UNKNOWN_STUB..UNKNOWN_STUB + 0x40,
+        base: UNKNOWN_STUB,
+        functions: Vec::new().into(),
+        unwind: UnwindBytes::InCode,
+        tag: 0x10,
+        frameless: true,
+    };
+    let mut managed = map.managed().to_vec();
+    managed.push(stub);
+    let map = CodeMap::new(Vec::new(), managed, vec![mem.stack_range.clone()], 0);
+    let sp = STACK_TOP - 0x400;
+    mem.stack.insert(sp, 0x1234_5678); // the pushed rdx: no code
+    mem.stack.insert(sp + 8, A4 + 6); // return into A4
+    let (frames, _) = run(&map, &mem, Regs { ip: UNKNOWN_STUB + 0x10, sp, bp: 0 });
+    assert_eq!(frames[..2], [UNKNOWN_STUB + 0x10, A4 + 6]);
+    // Nothing pushed: the word on top.
+    mem.stack.insert(sp, A5 + 6);
+    let (frames, _) = run(&map, &mem, Regs { ip: UNKNOWN_STUB + 0x10, sp, bp: 0 });
+    assert_eq!(frames[..2], [UNKNOWN_STUB + 0x10, A5 + 6]);
+}
+
+/// An OSR body's UNWIND_INFO as .NET 10's JIT emitted it for
+/// `Enumerable.Sum`: its own prologue (`push rax` of the Tier0 frame's
+/// saved rbp, `sub rsp, 0x30`, four register saves) and, at prolog offset 0,
+/// the Tier0 frame it sits on (`ALLOC_LARGE 0xb8`, `push rbp`).
+const OSR_UNWIND: [u8; 36] = [
+    0x19, 0x29, 0x0d, 0x00, 0x29, 0x34, 0x1a, 0x00, 0x21, 0xd4, 0x1b, 0x00, 0x19, 0xe4, 0x1c, 0x00, 0x11, 0xf4, 0x1d,
+    0x00, 0x09, 0x52, 0x05, 0x02, 0x00, 0x01, 0x17, 0x00, 0x00, 0x50, 0x00, 0x00, 0, 0, 0, 0,
+];
+
+#[test]
+fn an_osr_body_unwinds_through_the_tier0_frame_it_sits_on() {
+    let mut code = vec![0x90u8; 0x100];
+    code[0xd1] = 0xc4; // after the call: vmovsd, no epilogue
+    let (region, c) = body(LARGE, &code, &OSR_UNWIND);
+    let (a3, a3_code) = body(A3, &FRAMELESS, &FRAMELESS_UNWIND);
+    let stacks = vec![Range { start: STACK_TOP - 0x10000, end: STACK_TOP }];
+    let map = CodeMap::new(Vec::new(), vec![region, a3], stacks, 0);
+    let sp0 = STACK_TOP - 0x1000; // where the Tier0 method's return address is
+    let mut stack = HashMap::new();
+    stack.insert(sp0, A3 + 6);
+    stack.insert(sp0 - 8, 0x5555); // Tier0: push rbp
+    let osr_sp = sp0 - 8 - 0xb8 - 8 - 0x30;
+    let mem = Recorded { stack, stack_range: STACK_TOP - 0x10000..STACK_TOP, code: vec![c, a3_code] };
+    // A return address into the OSR body, pushed by its call.
+    let mut mem = mem;
+    mem.stack.insert(osr_sp - 8, LARGE + 0xd1);
+    let regs = Regs { ip: LARGE + 0xd1, sp: osr_sp, bp: osr_sp + 0x30 };
+    let mut out = [0u64; 8];
+    let w = walk(&map, &mem, regs, &mut WalkCache::new(), &mut out);
+    assert!(w.len >= 2, "{w:?}");
+    // The leaf is exact here; what matters is the caller.
     assert_eq!(address_of(out[1]), A3 + 6, "{:x?}", &out[..w.len]);
 }
