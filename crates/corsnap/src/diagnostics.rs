@@ -173,6 +173,16 @@ fn check_owner(pid: u32, owner: u32, me: u32) -> Result<()> {
     Ok(())
 }
 
+/// Whether process `pid` has corsnap's agent (the library at `agent`, or
+/// any `libcorsnap_agent.so`) mapped.
+fn agent_is_loaded(pid: u32, agent: &Path) -> bool {
+    let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else { return false };
+    let agent = agent.to_string_lossy();
+    maps.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .any(|path| path == agent || path.ends_with("/libcorsnap_agent.so"))
+}
+
 /// Asks the runtime behind `socket` to load the profiler at `profiler_path`
 /// (with corsnap's agent CLSID) and hand it `client_data`.
 ///
@@ -202,6 +212,19 @@ pub fn attach_profiler(
              working directory; give an absolute path",
             profiler_path.display()
         );
+    }
+
+    // A runtime that refuses an attach because a profiler is active has
+    // already loaded the library and never lets it go: the agent would
+    // stay mapped in the process after every session (measured on .NET 10).
+    // So a second corsnap is told here, before any request is sent.
+    if let Some(pid) = socket.pid() {
+        if agent_is_loaded(pid, profiler_path) {
+            bail!(
+                "corsnap's agent is already loaded in {target}: another corsnap session is recording it, or one \
+                 is still leaving (a killed one detaches within a second or two); wait for it to end and try again"
+            );
+        }
     }
 
     let clsid = Guid::parse(corsnap_wire::AGENT_CLSID);

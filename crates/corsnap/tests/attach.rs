@@ -260,3 +260,29 @@ fn events_after_attach(runtime: Runtime) {
     assert!(count_with(&cpu, "Service.Crunch") > 0, "{}", describe(&cpu));
     service.wait_agent_gone();
 }
+
+#[test]
+fn a_second_session_is_refused_before_the_runtime_loads_the_agent_again() {
+    // The runtime refuses a second profiler only after loading its library,
+    // and never unloads it: the agent stayed mapped after both sessions.
+    let service = Service::start(&[]);
+    let pid = service.pid.to_string();
+    let out = scratch("attach-second").join("p.txt");
+    let mut first = Command::new(corsnap_bin())
+        .args(["record", "--pid", &pid, "-d", "3", "-f", "collapsed", "-o", out.to_str().unwrap()])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Readiness: the first session's agent is in the process.
+    wait_for(Duration::from_secs(10), || service.agent_mapped()).expect("the first session's agent loads");
+    let second = corsnap(&["dump", "--pid", &pid]);
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(!second.status.success());
+    assert!(stderr.contains("corsnap's agent is already loaded in process"), "{stderr}");
+    assert!(first.wait().unwrap().success());
+    service.wait_agent_gone();
+    // And the process takes a session again afterwards.
+    let again = corsnap(&["dump", "--pid", &pid]);
+    assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
+    service.wait_agent_gone();
+}
