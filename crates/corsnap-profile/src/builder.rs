@@ -6,6 +6,8 @@ use std::collections::HashMap;
 
 use corsnap_wire::{Message, SamplerStats, Severity};
 
+use crate::names::{is_roslyn_move_next, state_machine_from_callers, StateMachine};
+use crate::roots::{classify_native, fold_point, NativeRoot, Start};
 use crate::{EventKind, Frame, FrameIdx, FrameKind, GcRecord, Meta, Profile, Sample, Thread, ThreadIdx};
 
 /// Frame name for a run of unmanaged frames.
@@ -24,9 +26,29 @@ pub enum NativeFrames {
     Collapse,
 }
 
+/// What becomes of the native frames below a thread's first managed frame
+/// (the host's start-up, the runtime's thread start).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RootFrames {
+    /// One `[host start-up]` or `[thread start]` frame ([`crate::roots`]).
+    #[default]
+    Fold,
+    /// Each one, as walked.
+    Show,
+}
+
 #[derive(Debug, Default)]
 pub struct ProfileBuilder {
     native_frames: NativeFrames,
+    root_frames: RootFrames,
+    /// What each named native frame says about a stack's start.
+    native_roots: HashMap<u64, NativeRoot>,
+    /// `[host start-up]` and `[thread start]`, once interned.
+    start_frames: HashMap<Start, FrameIdx>,
+    /// Whether a frame is a Roslyn state machine's `MoveNext`, and its
+    /// variants by what the stack showed it to be.
+    move_next: HashMap<FrameIdx, bool>,
+    state_machines: HashMap<(FrameIdx, StateMachine), FrameIdx>,
     profile: Profile,
     functions: HashMap<u64, FrameIdx>,
     /// Runtime `ThreadID` to the thread it currently denotes (ids are reused
@@ -51,6 +73,10 @@ impl ProfileBuilder {
 
     pub fn set_native_frames(&mut self, mode: NativeFrames) {
         self.native_frames = mode;
+    }
+
+    pub fn set_root_frames(&mut self, mode: RootFrames) {
+        self.root_frames = mode;
     }
 
     /// Applies one message. Messages that do not shape the profile (notices,
@@ -87,11 +113,14 @@ impl ProfileBuilder {
             }
             Message::Function { function_id, name, module } => {
                 let native = function_id & corsnap_wire::NATIVE_FRAME_BIT != 0;
+                if native {
+                    self.native_roots.insert(*function_id, classify_native(name, module));
+                }
                 let idx = if native && self.native_frames == NativeFrames::Collapse {
                     self.marker_frame(NATIVE_FRAME, FrameKind::Native)
                 } else {
                     let kind = if native { FrameKind::NativeSymbol } else { FrameKind::Managed };
-                    self.profile.intern_frame(Frame { name: name.clone(), module: module.clone(), kind })
+                    self.profile.intern_frame(Frame::new(name.clone(), module.clone(), kind))
                 };
                 self.functions.insert(*function_id, idx);
             }
@@ -133,7 +162,14 @@ impl ProfileBuilder {
         if !leaf.is_empty() {
             stack.push(self.synthetic_frame(leaf.to_string(), FrameKind::Subject));
         }
-        for &function_id in frames {
+        // The frames below the first managed one, folded (a stack cut short
+        // never reached them).
+        let fold = match self.root_frames {
+            RootFrames::Fold if !truncated => fold_point(frames, |id| self.native_roots.get(&id).copied()),
+            _ => None,
+        };
+        let kept = fold.map_or(frames, |(keep, _)| &frames[..keep]);
+        for &function_id in kept {
             let idx = match function_id {
                 0 => self.marker_frame(NATIVE_FRAME, FrameKind::Native),
                 id => match self.functions.get(&id) {
@@ -147,13 +183,58 @@ impl ProfileBuilder {
                 stack.push(idx);
             }
         }
+        if let Some((_, start)) = fold {
+            let idx = match self.start_frames.get(&start) {
+                Some(&idx) => idx,
+                None => {
+                    let idx = self.synthetic_frame(start.frame_name().to_string(), FrameKind::Start);
+                    self.start_frames.insert(start, idx);
+                    idx
+                }
+            };
+            stack.push(idx);
+        }
         if truncated {
             stack.push(self.marker_frame(TRUNCATED_FRAME, FrameKind::Truncated));
         }
+        self.tell_state_machines(&mut stack);
         let stack_idx = self.profile.intern_stack(&stack);
         self.scratch = stack;
         let thread = self.thread_for(thread_id);
         self.profile.samples.push(Sample { time_ns, thread, stack: stack_idx, weight, kind });
+    }
+
+    /// Gives each Roslyn state machine's `MoveNext` in `stack` (leaf first)
+    /// what its callers show it to be: an async method or an iterator
+    /// ([`state_machine_from_callers`]).
+    fn tell_state_machines(&mut self, stack: &mut [FrameIdx]) {
+        for i in 0..stack.len() {
+            let frame = stack[i];
+            let frames = &self.profile.frames;
+            let is_move_next = *self.move_next.entry(frame).or_insert_with(|| {
+                let f = &frames[frame as usize];
+                f.kind == FrameKind::Managed && is_roslyn_move_next(&f.name)
+            });
+            if !is_move_next {
+                continue;
+            }
+            let callers = stack[i + 1..].iter().map(|&caller| {
+                let caller = &frames[caller as usize];
+                (caller.kind == FrameKind::Managed).then_some(caller.name.as_str())
+            });
+            let Some(kind) = state_machine_from_callers(&frames[frame as usize].name, callers) else { continue };
+            stack[i] = match self.state_machines.get(&(frame, kind)) {
+                Some(&variant) => variant,
+                None => {
+                    let mut variant = self.profile.frames[frame as usize].clone();
+                    variant.state_machine = Some(kind);
+                    let idx = self.profile.intern_frame(variant);
+                    self.state_machines.insert((frame, kind), idx);
+                    self.move_next.insert(idx, false);
+                    idx
+                }
+            };
+        }
     }
 
     /// `[native code]` or `[truncated]`, interned once rather than looked up
@@ -174,7 +255,7 @@ impl ProfileBuilder {
 
     /// A frame that is not a managed method: no module.
     fn synthetic_frame(&mut self, name: String, kind: FrameKind) -> FrameIdx {
-        self.profile.intern_frame(Frame { name, module: String::new(), kind })
+        self.profile.intern_frame(Frame::new(name, String::new(), kind))
     }
 
     fn thread_for(&mut self, thread_id: u64) -> ThreadIdx {

@@ -14,7 +14,9 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use corsnap_profile::NativeFrames;
+use corsnap_profile::names::{is_roslyn_move_next, readable_name, state_machine_from_callers};
+use corsnap_profile::roots::{classify_native, fold_point, NativeRoot, Start};
+use corsnap_profile::{NativeFrames, RootFrames};
 use corsnap_wire::{AttachRequest, EventKind, Message, SamplerKind, NATIVE_FRAME_BIT};
 use ratatui::crossterm::event::{self, Event as KeyEvent, KeyCode, KeyEventKind, KeyModifiers};
 use ratatui::crossterm::execute;
@@ -36,6 +38,8 @@ pub struct TopOptions {
     pub sampler: SamplerKind,
     pub timers: bool,
     pub native: NativeFrames,
+    pub roots: RootFrames,
+    pub raw_names: bool,
     pub interval: Duration,
     pub agent_path: Option<PathBuf>,
 }
@@ -123,12 +127,39 @@ impl SortBy {
     }
 }
 
+/// The frame ids `top` gives the folded start of a stack (never a
+/// `FunctionID`, nor a native frame's id: user-space addresses are below
+/// 2^47).
+const HOST_START_ID: u64 = u64::MAX;
+const THREAD_START_ID: u64 = u64::MAX - 1;
+
+fn start_id(start: Start) -> u64 {
+    match start {
+        Start::Host => HOST_START_ID,
+        Start::Thread => THREAD_START_ID,
+    }
+}
+
+fn is_start_id(id: u64) -> bool {
+    id == HOST_START_ID || id == THREAD_START_ID
+}
+
 /// Everything the screen shows.
 struct View {
     title: String,
     event: EventKind,
     native: NativeFrames,
+    roots: RootFrames,
+    raw_names: bool,
+    /// Each function's name as shown.
     names: HashMap<u64, String>,
+    /// What named native frames say about where a stack starts.
+    native_roots: HashMap<u64, NativeRoot>,
+    /// Roslyn state machines' `MoveNext`s by raw name, until a stack has
+    /// shown what they are.
+    untold_state_machines: HashMap<u64, String>,
+    /// Managed functions' raw names (what tells a state machine's callers).
+    raw: HashMap<u64, String>,
     threads: HashMap<u64, (u32, String)>,
     kernel_names: HashMap<u32, String>,
     /// The interval being collected, the last complete one, and all.
@@ -145,13 +176,23 @@ struct View {
 impl View {
     fn apply(&mut self, msg: &Message) {
         match msg {
-            Message::Function { function_id, name, .. } => {
-                let name = if function_id & NATIVE_FRAME_BIT != 0 && self.native == NativeFrames::Collapse {
+            Message::Function { function_id, name, module } => {
+                let native = function_id & NATIVE_FRAME_BIT != 0;
+                if native {
+                    self.native_roots.insert(*function_id, classify_native(name, module));
+                }
+                let shown = if native && self.native == NativeFrames::Collapse {
                     "[native code]".to_string()
-                } else {
+                } else if native || self.raw_names {
                     name.clone()
+                } else {
+                    self.raw.insert(*function_id, name.clone());
+                    if is_roslyn_move_next(name) {
+                        self.untold_state_machines.insert(*function_id, name.clone());
+                    }
+                    readable_name(name, None).into_owned()
                 };
-                self.names.insert(*function_id, name);
+                self.names.insert(*function_id, shown);
             }
             Message::Thread { thread_id, os_tid, name } => {
                 let keep = name.is_empty() && self.threads.get(thread_id).is_some_and(|t| !t.1.is_empty());
@@ -162,12 +203,20 @@ impl View {
             Message::OsThreadName { os_tid, name } => {
                 self.kernel_names.insert(*os_tid, name.clone());
             }
-            Message::Sample { thread_id, kind, weight, frames, .. } if *kind == self.event => {
+            Message::Sample { thread_id, kind, weight, frames, truncated, .. } if *kind == self.event => {
+                self.tell_state_machines(frames);
+                let mut frames = frames.clone();
+                if self.roots == RootFrames::Fold && !truncated {
+                    if let Some((keep, start)) = fold_point(&frames, |id| self.native_roots.get(&id).copied()) {
+                        frames.truncate(keep);
+                        frames.push(start_id(start));
+                    }
+                }
                 // Collapsed native runs: one frame for a run.
                 let frames: Vec<u64> = if self.native == NativeFrames::Collapse {
                     let mut out: Vec<u64> = Vec::with_capacity(frames.len());
-                    for &f in frames {
-                        let native = f == 0 || f & NATIVE_FRAME_BIT != 0;
+                    for &f in &frames {
+                        let native = (f == 0 || f & NATIVE_FRAME_BIT != 0) && !is_start_id(f);
                         let key = if native { 0 } else { f };
                         if !(native && out.last() == Some(&0)) {
                             out.push(key);
@@ -175,13 +224,33 @@ impl View {
                     }
                     out
                 } else {
-                    frames.clone()
+                    frames
                 };
                 self.current.add(*thread_id, &frames, *weight);
                 self.all.add(*thread_id, &frames, *weight);
             }
             Message::Notice { text, .. } => self.note = Some(text.clone()),
             _ => {}
+        }
+    }
+
+    /// Names a state machine's `MoveNext` by what the first stack it is
+    /// seen in shows it to be (async method or iterator).
+    fn tell_state_machines(&mut self, frames: &[u64]) {
+        if self.untold_state_machines.is_empty() {
+            return;
+        }
+        for (i, f) in frames.iter().enumerate() {
+            let Some(raw) = self.untold_state_machines.get(f) else { continue };
+            let callers = frames[i + 1..].iter().map(|caller| {
+                let managed = *caller != 0 && caller & NATIVE_FRAME_BIT == 0;
+                managed.then(|| self.raw.get(caller).map(String::as_str)).flatten()
+            });
+            if let Some(kind) = state_machine_from_callers(raw, callers) {
+                let name = readable_name(raw, Some(kind)).into_owned();
+                self.names.insert(*f, name);
+                self.untold_state_machines.remove(f);
+            }
         }
     }
 
@@ -354,6 +423,8 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
                 sampler: options.sampler,
                 timers: options.timers,
                 native: options.native,
+                roots: options.roots,
+                raw_names: options.raw_names,
                 title: String::new(),
                 inverted: false,
             };
@@ -367,7 +438,15 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
         title,
         event: options.event,
         native: options.native,
-        names: HashMap::new(),
+        roots: options.roots,
+        raw_names: options.raw_names,
+        names: HashMap::from([
+            (HOST_START_ID, Start::Host.frame_name().to_string()),
+            (THREAD_START_ID, Start::Thread.frame_name().to_string()),
+        ]),
+        native_roots: HashMap::new(),
+        untold_state_machines: HashMap::new(),
+        raw: HashMap::new(),
         threads: HashMap::new(),
         kernel_names: HashMap::new(),
         current: Tally::default(),
