@@ -332,6 +332,120 @@ mod tests {
         assert_eq!(names, [TRUNCATED_FRAME, "[unknown function 0x3]"]);
     }
 
+    fn function(function_id: u64, name: &str, module: &str) -> Message {
+        Message::Function { function_id, name: name.into(), module: module.into() }
+    }
+
+    const N: u64 = corsnap_wire::NATIVE_FRAME_BIT;
+
+    /// A main thread under the host, a worker under its thread start, a
+    /// native-only GC thread: frames leaf first.
+    fn roots_builder(native: NativeFrames, roots: RootFrames) -> ProfileBuilder {
+        let mut b = ProfileBuilder::new();
+        b.set_native_frames(native);
+        b.set_root_frames(roots);
+        for message in [
+            function(N | 1, "dotnet+0x6c48", "dotnet"),
+            function(N | 2, "libc.so.6!__libc_start_main_alias_2", "libc.so.6"),
+            function(N | 3, "libhostfxr.so!hostfxr_main_startupinfo", "libhostfxr.so"),
+            function(N | 4, "libcoreclr.so+0x63cf50", "libcoreclr.so"),
+            function(N | 5, "libc.so.6!clone3", "libc.so.6"),
+            function(N | 6, "libc.so.6!start_thread", "libc.so.6"),
+            function(N | 7, "libc.so.6!qsort", "libc.so.6"),
+            function(N | 8, "[incomplete stack]", ""),
+            function(0x10, "Shop.Program.Main", "Shop.dll"),
+            function(0x20, "Shop.Sorter.Compare", "Shop.dll"),
+            function(0x30, "System.Threading.Thread.StartCallback", "System.Private.CoreLib.dll"),
+        ] {
+            b.apply(&message);
+        }
+        let main = [0x20, N | 7, 0x10, N | 4, N | 4, N | 3, N | 2, N | 1];
+        b.add_sample(1, 1, false, &main, 1);
+        b.add_sample(2, 2, false, &[0x20, 0x30, N | 4, N | 6, N | 5], 1);
+        b.add_sample(3, 3, false, &[N | 4, N | 6, N | 5], 1);
+        b.add_sample(4, 1, true, &main[..5], 1);
+        b.add_sample(5, 1, false, &[0x20, 0x10, N | 4, N | 8], 1);
+        b
+    }
+
+    fn stacks(p: &Profile) -> Vec<String> {
+        p.samples.iter().map(|s| p.stack_names_root_first(s.stack).collect::<Vec<_>>().join(";")).collect()
+    }
+
+    #[test]
+    fn frames_below_the_first_managed_one_fold_into_what_they_are() {
+        let p = roots_builder(NativeFrames::Show, RootFrames::Fold).finish();
+        assert_eq!(
+            stacks(&p),
+            [
+                "[host start-up];Shop.Program.Main;libc.so.6!qsort;Shop.Sorter.Compare",
+                "[thread start];System.Threading.Thread.StartCallback;Shop.Sorter.Compare",
+                // Nothing managed: a native thread keeps its frames.
+                "libc.so.6!clone3;libc.so.6!start_thread;libcoreclr.so+0x63cf50",
+                // Cut short, or lost on the way: never folded.
+                "[truncated];libcoreclr.so+0x63cf50;libcoreclr.so+0x63cf50;Shop.Program.Main;libc.so.6!qsort;Shop.Sorter.Compare",
+                "[incomplete stack];libcoreclr.so+0x63cf50;Shop.Program.Main;Shop.Sorter.Compare",
+            ]
+        );
+        assert_eq!(p.frames.iter().filter(|f| f.kind == FrameKind::Start).count(), 2);
+
+        let collapsed = stacks(&roots_builder(NativeFrames::Collapse, RootFrames::Fold).finish());
+        assert_eq!(collapsed[0], "[host start-up];Shop.Program.Main;[native code];Shop.Sorter.Compare");
+        assert_eq!(collapsed[1], "[thread start];System.Threading.Thread.StartCallback;Shop.Sorter.Compare");
+
+        let shown = stacks(&roots_builder(NativeFrames::Show, RootFrames::Show).finish());
+        assert_eq!(
+            shown[0],
+            "dotnet+0x6c48;libc.so.6!__libc_start_main_alias_2;libhostfxr.so!hostfxr_main_startupinfo;\
+             libcoreclr.so+0x63cf50;libcoreclr.so+0x63cf50;Shop.Program.Main;libc.so.6!qsort;Shop.Sorter.Compare"
+        );
+    }
+
+    #[test]
+    fn a_state_machine_is_named_by_what_calls_it() {
+        let mut b = ProfileBuilder::new();
+        for message in [
+            function(0x10, "Shop.Program.Main", "Shop.dll"),
+            function(0x20, "Shop.Orders+<HandleAsync>d__4.MoveNext", "Shop.dll"),
+            function(0x30, "System.Runtime.CompilerServices.AsyncMethodBuilderCore.Start<TStateMachine>", "c.dll"),
+            function(0x40, "Shop.Orders.HandleAsync", "Shop.dll"),
+            function(0x50, "Shop.Repo+<Items>d__3.MoveNext", "Shop.dll"),
+            function(0x60, "System.Linq.Enumerable.Sum", "System.Linq.dll"),
+            function(0x70, "Shop.Program+<>c.<Main>b__0_1", "Shop.dll"),
+        ] {
+            b.apply(&message);
+        }
+        b.add_sample(1, 1, false, &[0x20, 0x30, 0x40, 0x10], 1);
+        b.add_sample(2, 1, false, &[0x50, 0x60, 0x70, 0x10], 1);
+        b.add_sample(3, 1, false, &[0x50, 0x20, 0x30, 0x40, 0x10], 1);
+        b.add_sample(4, 1, false, &[0x50], 1);
+        let p = b.finish();
+        let shown: Vec<String> = p
+            .samples
+            .iter()
+            .map(|s| {
+                let frames = p.stacks[s.stack as usize].iter().rev();
+                frames.map(|&f| p.frames[f as usize].display_name().into_owned()).collect::<Vec<_>>().join(";")
+            })
+            .collect();
+        assert_eq!(
+            shown,
+            [
+                "Shop.Program.Main;Shop.Orders.HandleAsync;\
+                 System.Runtime.CompilerServices.AsyncMethodBuilderCore.Start<TStateMachine>;Shop.Orders.HandleAsync [async]",
+                "Shop.Program.Main;Shop.Program.Main.lambda#1;System.Linq.Enumerable.Sum;Shop.Repo.Items [iterator]",
+                // Called by another state machine, or by nothing known: either.
+                "Shop.Program.Main;Shop.Orders.HandleAsync;\
+                 System.Runtime.CompilerServices.AsyncMethodBuilderCore.Start<TStateMachine>;Shop.Orders.HandleAsync [async];\
+                 Shop.Repo.Items [state machine]",
+                "Shop.Repo.Items [state machine]",
+            ]
+        );
+        // The raw name is the same in every variant.
+        let items: Vec<_> = p.frames.iter().filter(|f| f.name == "Shop.Repo+<Items>d__3.MoveNext").collect();
+        assert_eq!(items.len(), 2);
+    }
+
     #[test]
     fn a_name_that_arrives_late_names_the_earlier_samples_too_and_is_never_lost() {
         let mut b = ProfileBuilder::new();

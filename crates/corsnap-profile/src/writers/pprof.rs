@@ -444,6 +444,23 @@ mod tests {
     }
 
     #[test]
+    fn functions_are_named_readably_with_the_runtimes_name_as_system_name() {
+        let mut profile = Profile::new(Meta::default());
+        let lambda = profile.intern_frame(frame("Shop.Program+<>c.<Main>b__0_1", "Shop.dll"));
+        let main = profile.intern_frame(frame("Shop.Program.Main", "Shop.dll"));
+        let stack = profile.intern_stack(&[lambda, main]);
+        let thread = profile.intern_thread(Thread { os_tid: 1, name: String::new() });
+        profile.samples.push(Sample { time_ns: 0, thread, stack, weight: 1, kind: EventKind::Cpu });
+
+        let summary = decode_pprof(&write(&profile, &WriteOptions::default())).unwrap();
+        assert_eq!(summary.function_names, ["Shop.Program.Main.lambda#1", "Shop.Program.Main"]);
+        assert_eq!(summary.system_names, ["Shop.Program+<>c.<Main>b__0_1", "Shop.Program.Main"]);
+        let raw = WriteOptions { raw_names: true, ..WriteOptions::default() };
+        let summary = decode_pprof(&write(&profile, &raw)).unwrap();
+        assert_eq!(summary.function_names, summary.system_names);
+    }
+
+    #[test]
     fn empty_profile_is_valid() {
         let decoded = decode(&write(&Profile::new(Meta::default()), &WriteOptions::default()));
         assert_eq!(decoded.string_table[0], "");
