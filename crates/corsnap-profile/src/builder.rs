@@ -45,9 +45,10 @@ pub struct ProfileBuilder {
     native_roots: HashMap<u64, NativeRoot>,
     /// `[host start-up]` and `[thread start]`, once interned.
     start_frames: HashMap<Start, FrameIdx>,
-    /// Whether a frame is a Roslyn state machine's `MoveNext`, and its
-    /// variants by what the stack showed it to be.
-    move_next: HashMap<FrameIdx, bool>,
+    /// Whether a frame is a Roslyn state machine's `MoveNext` (by
+    /// [`FrameIdx`]; `None` until first asked), and its variants by what the
+    /// stack showed it to be.
+    move_next: Vec<Option<bool>>,
     state_machines: HashMap<(FrameIdx, StateMachine), FrameIdx>,
     profile: Profile,
     functions: HashMap<u64, FrameIdx>,
@@ -211,7 +212,10 @@ impl ProfileBuilder {
         for i in 0..stack.len() {
             let frame = stack[i];
             let frames = &self.profile.frames;
-            let is_move_next = *self.move_next.entry(frame).or_insert_with(|| {
+            if self.move_next.len() < frames.len() {
+                self.move_next.resize(frames.len(), None);
+            }
+            let is_move_next = *self.move_next[frame as usize].get_or_insert_with(|| {
                 let f = &frames[frame as usize];
                 f.kind == FrameKind::Managed && is_roslyn_move_next(&f.name)
             });
@@ -230,7 +234,6 @@ impl ProfileBuilder {
                     variant.state_machine = Some(kind);
                     let idx = self.profile.intern_frame(variant);
                     self.state_machines.insert((frame, kind), idx);
-                    self.move_next.insert(idx, false);
                     idx
                 }
             };
