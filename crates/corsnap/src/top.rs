@@ -174,6 +174,33 @@ struct View {
 }
 
 impl View {
+    fn new(title: String, options: &TopOptions) -> View {
+        View {
+            title,
+            event: options.event,
+            native: options.native,
+            roots: options.roots,
+            raw_names: options.raw_names,
+            names: HashMap::from([
+                (HOST_START_ID, Start::Host.frame_name().to_string()),
+                (THREAD_START_ID, Start::Thread.frame_name().to_string()),
+            ]),
+            native_roots: HashMap::new(),
+            untold_state_machines: HashMap::new(),
+            raw: HashMap::new(),
+            threads: HashMap::new(),
+            kernel_names: HashMap::new(),
+            current: Tally::default(),
+            last: Tally::default(),
+            all: Tally::default(),
+            sort: SortBy::OwnNow,
+            thread: None,
+            paused: false,
+            started: Instant::now(),
+            note: None,
+        }
+    }
+
     fn apply(&mut self, msg: &Message) {
         match msg {
             Message::Function { function_id, name, module } => {
@@ -434,30 +461,7 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
             (connection, format!("corsnap top · {command}"), Some(process))
         }
     };
-    let view = View {
-        title,
-        event: options.event,
-        native: options.native,
-        roots: options.roots,
-        raw_names: options.raw_names,
-        names: HashMap::from([
-            (HOST_START_ID, Start::Host.frame_name().to_string()),
-            (THREAD_START_ID, Start::Thread.frame_name().to_string()),
-        ]),
-        native_roots: HashMap::new(),
-        untold_state_machines: HashMap::new(),
-        raw: HashMap::new(),
-        threads: HashMap::new(),
-        kernel_names: HashMap::new(),
-        current: Tally::default(),
-        last: Tally::default(),
-        all: Tally::default(),
-        sort: SortBy::OwnNow,
-        thread: None,
-        paused: false,
-        started: Instant::now(),
-        note: None,
-    };
+    let view = View::new(title, options);
     enable_raw_mode().context("switching the terminal to raw mode (corsnap top needs a terminal)")?;
     let guard = TerminalGuard;
     execute!(io::stdout(), EnterAlternateScreen)?;
@@ -541,5 +545,84 @@ fn ui_loop(
             terminal.draw(|f| view.draw(f))?;
             dirty = false;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const N: u64 = NATIVE_FRAME_BIT;
+
+    fn options(native: NativeFrames, roots: RootFrames, raw_names: bool) -> TopOptions {
+        TopOptions {
+            target: Target::Attach(1),
+            event: EventKind::Cpu,
+            rate_hz: 100,
+            sampler: SamplerKind::Signal,
+            timers: false,
+            native,
+            roots,
+            raw_names,
+            interval: Duration::from_secs(1),
+            agent_path: None,
+        }
+    }
+
+    /// The functions' totals as shown, sorted by name.
+    fn totals(options: &TopOptions) -> Vec<(String, u64)> {
+        let mut view = View::new(String::new(), options);
+        let functions: &[(u64, &str, &str)] = &[
+            (N | 1, "libc.so.6!__libc_start_main_alias_2", "libc.so.6"),
+            (N | 2, "libcoreclr.so+0x1ec8db", "libcoreclr.so"),
+            (N | 3, "libc.so.6!qsort", "libc.so.6"),
+            (0x10, "Shop.Program.Main", "Shop.dll"),
+            (0x11, "System.Runtime.CompilerServices.AsyncMethodBuilderCore.Start<TStateMachine>", "c.dll"),
+            (0x12, "Shop.Program+<Main>d__0.MoveNext", "Shop.dll"),
+            (0x13, "Shop.Program+<>c.<Main>b__0_1", "Shop.dll"),
+        ];
+        for &(function_id, name, module) in functions {
+            view.apply(&Message::Function { function_id, name: name.into(), module: module.into() });
+        }
+        let frames = vec![0x13, N | 3, 0x12, 0x11, 0x10, N | 2, N | 1];
+        let sample = Message::Sample {
+            time_ns: 1,
+            thread_id: 7,
+            kind: EventKind::Cpu,
+            weight: 5,
+            truncated: false,
+            leaf: String::new(),
+            frames,
+        };
+        view.apply(&sample);
+        let (all, _) = view.all.view(None);
+        let mut totals: Vec<(String, u64)> = all.iter().map(|(&f, w)| (view.function_name(f), w.total)).collect();
+        totals.sort();
+        totals
+    }
+
+    #[test]
+    fn names_are_readable_and_roots_fold_as_in_profiles() {
+        let shown = totals(&options(NativeFrames::Show, RootFrames::Fold, false));
+        let names: Vec<&str> = shown.iter().map(|(name, _)| name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "Shop.Program.Main",
+                "Shop.Program.Main [async]",
+                "Shop.Program.Main.lambda#1",
+                "System.Runtime.CompilerServices.AsyncMethodBuilderCore.Start<TStateMachine>",
+                "[host start-up]",
+                "libc.so.6!qsort",
+            ]
+        );
+        let collapsed = totals(&options(NativeFrames::Collapse, RootFrames::Fold, false));
+        assert!(collapsed.iter().any(|(name, _)| name == "[host start-up]"), "{collapsed:?}");
+        assert!(collapsed.iter().any(|(name, _)| name == "[native code]"), "{collapsed:?}");
+
+        let raw = totals(&options(NativeFrames::Show, RootFrames::Show, true));
+        let names: Vec<&str> = raw.iter().map(|(name, _)| name.as_str()).collect();
+        assert!(names.contains(&"Shop.Program+<Main>d__0.MoveNext") && names.contains(&"libcoreclr.so+0x1ec8db"));
+        assert!(!names.contains(&"[host start-up]"), "{names:?}");
     }
 }
