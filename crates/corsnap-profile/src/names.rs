@@ -565,6 +565,61 @@ mod tests {
         assert!(wrong.is_empty(), "{} of {}:\n{}", wrong.len(), GOLDEN.len(), wrong.join("\n"));
     }
 
+    /// Names come from the program's metadata (or a raw recording anyone can
+    /// write): any string must come back as something, without a panic, and
+    /// a name left alone must come back as it was.
+    #[test]
+    fn any_string_is_safe() {
+        const PIECES: &[&str] = &[
+            "<",
+            ">",
+            ".",
+            "+",
+            "..",
+            "<>c",
+            "__DisplayClass",
+            "b__",
+            "g__",
+            "d__",
+            "d",
+            "|",
+            "_",
+            "#",
+            "$",
+            "0",
+            "12",
+            "Main",
+            "MoveNext",
+            "c__AnonStorey",
+            "c__Iterator",
+            "c__async",
+            "m__",
+            "é",
+            "…",
+            "<T>",
+            "Shop",
+            "",
+        ];
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..200_000 {
+            let mut name = String::new();
+            for _ in 0..(state % 12) {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                name.push_str(PIECES[(state % PIECES.len() as u64) as usize]);
+            }
+            for seen_as in [None, Some(Async)] {
+                let readable = readable_name(&name, seen_as);
+                if !name.contains('<') {
+                    assert_eq!(readable, name);
+                }
+                let _ = state_machine_from_callers(&name, [Some(name.as_str()), None]);
+            }
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
     #[test]
     fn names_left_alone_are_not_copied() {
         for name in ["System.Collections.Generic.List<T>.AddWithResize", "libc.so.6!qsort", "Shop.Order..ctor"] {
