@@ -165,8 +165,13 @@ impl ProfileBuilder {
         }
         // The frames below the first managed one, folded (a stack cut short
         // never reached them).
+        let thread = self.thread_for(thread_id);
         let fold = match self.root_frames {
-            RootFrames::Fold if !truncated => fold_point(frames, |id| self.native_roots.get(&id).copied()),
+            RootFrames::Fold if !truncated => {
+                let os_tid = self.profile.threads[thread as usize].os_tid;
+                let main_thread = os_tid != 0 && os_tid == self.profile.meta.pid;
+                fold_point(frames, main_thread, |id| self.native_roots.get(&id).copied())
+            }
             _ => None,
         };
         let kept = fold.map_or(frames, |(keep, _)| &frames[..keep]);
@@ -201,7 +206,6 @@ impl ProfileBuilder {
         self.tell_state_machines(&mut stack);
         let stack_idx = self.profile.intern_stack(&stack);
         self.scratch = stack;
-        let thread = self.thread_for(thread_id);
         self.profile.samples.push(Sample { time_ns, thread, stack: stack_idx, weight, kind });
     }
 
@@ -401,6 +405,37 @@ mod tests {
             shown[0],
             "dotnet+0x6c48;libc.so.6!__libc_start_main_alias_2;libhostfxr.so!hostfxr_main_startupinfo;\
              libcoreclr.so+0x63cf50;libcoreclr.so+0x63cf50;Shop.Program.Main;libc.so.6!qsort;Shop.Sorter.Compare"
+        );
+    }
+
+    #[test]
+    fn the_runtimes_own_walks_fold_by_thread_the_first_being_the_hosts() {
+        let mut b = ProfileBuilder::new();
+        b.apply(&Message::Hello {
+            protocol: 1,
+            pid: 77,
+            runtime_version: "10.0.0".into(),
+            info_version: 14,
+            rate_hz: 100,
+            attached: false,
+        });
+        b.apply(&Message::Thread { thread_id: 10, os_tid: 77, name: String::new() });
+        b.apply(&Message::Thread { thread_id: 11, os_tid: 78, name: "worker".into() });
+        b.apply(&function(0x10, "Shop.Program.Main", "Shop.dll"));
+        b.apply(&function(0x20, "Shop.Sorter.Compare", "Shop.dll"));
+        b.add_sample(1, 10, false, &[0x20, 0, 0x10, 0], 1);
+        b.add_sample(2, 11, false, &[0x20, 0], 1);
+        b.add_sample(3, 11, false, &[0x20], 1);
+        b.set_root_frames(RootFrames::Show);
+        b.add_sample(4, 10, false, &[0x20, 0, 0x10, 0], 1);
+        assert_eq!(
+            stacks(&b.finish()),
+            [
+                "[host start-up];Shop.Program.Main;[native code];Shop.Sorter.Compare",
+                "[thread start];Shop.Sorter.Compare",
+                "Shop.Sorter.Compare",
+                "[native code];Shop.Program.Main;[native code];Shop.Sorter.Compare",
+            ]
         );
     }
 

@@ -67,27 +67,34 @@ pub fn classify_native(name: &str, module: &str) -> NativeRoot {
 
 /// Where to fold a stack (`frames` leaf first): keep `frames[..n]` and put
 /// one [`Start`] frame in place of the rest. `native` classifies a named
-/// native frame id (`None`: never named, counts as [`NativeRoot::Other`]).
+/// native frame id (`None`: never named, counts as [`NativeRoot::Other`]);
+/// `main_thread` says the stack is the process's first thread (its OS thread
+/// id is the process id), which tells the host's start when no frame does
+/// (the runtime's own walks name no native frame: `[native code]`).
 ///
 /// Nothing is folded when the stack has no managed frame (a GC or other
-/// native thread keeps its frames), when nothing below the first managed
-/// frame has a name (the suspend engine's `[native code]`), or when the walk
-/// did not reach the thread's start.
-pub fn fold_point(frames: &[u64], native: impl Fn(u64) -> Option<NativeRoot>) -> Option<(usize, Start)> {
+/// native thread keeps its frames), or when the walk did not reach the
+/// thread's start.
+pub fn fold_point(
+    frames: &[u64],
+    main_thread: bool,
+    native: impl Fn(u64) -> Option<NativeRoot>,
+) -> Option<(usize, Start)> {
     let is_native = |id: u64| id == 0 || id & NATIVE_FRAME_BIT != 0;
     let first_managed = frames.iter().rposition(|&id| !is_native(id))?;
     let tail = &frames[first_managed + 1..];
-    let mut named = false;
-    let mut host = false;
+    if tail.is_empty() {
+        return None;
+    }
+    let mut host = main_thread;
     for &id in tail.iter().filter(|&&id| id != 0) {
-        named = true;
         match native(id).unwrap_or(NativeRoot::Other) {
             NativeRoot::Lost => return None,
             NativeRoot::Host => host = true,
             NativeRoot::Other => {}
         }
     }
-    named.then_some((first_managed + 1, if host { Start::Host } else { Start::Thread }))
+    Some((first_managed + 1, if host { Start::Host } else { Start::Thread }))
 }
 
 #[cfg(test)]
@@ -148,15 +155,21 @@ mod tests {
             (&[leaf, main, coreclr, coreclr, clone], Some((2, Start::Thread))),
             (&[leaf, main, N | 99], Some((2, Start::Thread))),
             (&[leaf, main, 0, coreclr], Some((2, Start::Thread))),
-            // Nothing to fold, nothing named to fold, nothing managed, a lost walk.
+            // The runtime's own walk: `[native code]` below the first managed frame.
+            (&[leaf, 0, main, 0], Some((3, Start::Thread))),
+            // Nothing to fold, nothing managed, a lost walk.
             (&[leaf, main], None),
-            (&[leaf, main, 0], None),
             (&[coreclr, clone], None),
             (&[], None),
             (&[leaf, main, coreclr, lost], None),
         ];
         for (frames, expected) in cases {
-            assert_eq!(fold_point(frames, classify), *expected, "{frames:x?}");
+            assert_eq!(fold_point(frames, false, classify), *expected, "{frames:x?}");
         }
+        // The process's first thread: the host's, whatever its frames say.
+        assert_eq!(fold_point(&[leaf, main, 0], true, classify), Some((2, Start::Host)));
+        assert_eq!(fold_point(&[leaf, main, coreclr], true, classify), Some((2, Start::Host)));
+        assert_eq!(fold_point(&[leaf, main], true, classify), None);
+        assert_eq!(fold_point(&[leaf, main, coreclr, lost], true, classify), None);
     }
 }

@@ -155,6 +155,8 @@ struct View {
     names: HashMap<u64, String>,
     /// What named native frames say about where a stack starts.
     native_roots: HashMap<u64, NativeRoot>,
+    /// The process's id: its first thread's OS thread id.
+    pid: u32,
     /// Roslyn state machines' `MoveNext`s by raw name, until a stack has
     /// shown what they are.
     untold_state_machines: HashMap<u64, String>,
@@ -186,6 +188,7 @@ impl View {
                 (THREAD_START_ID, Start::Thread.frame_name().to_string()),
             ]),
             native_roots: HashMap::new(),
+            pid: 0,
             untold_state_machines: HashMap::new(),
             raw: HashMap::new(),
             threads: HashMap::new(),
@@ -203,6 +206,7 @@ impl View {
 
     fn apply(&mut self, msg: &Message) {
         match msg {
+            Message::Hello { pid, .. } => self.pid = *pid,
             Message::Function { function_id, name, module } => {
                 let native = function_id & NATIVE_FRAME_BIT != 0;
                 if native {
@@ -234,7 +238,10 @@ impl View {
                 self.tell_state_machines(frames);
                 let mut frames = frames.clone();
                 if self.roots == RootFrames::Fold && !truncated {
-                    if let Some((keep, start)) = fold_point(&frames, |id| self.native_roots.get(&id).copied()) {
+                    let os_tid = self.threads.get(thread_id).map_or(0, |t| t.0);
+                    let main_thread = os_tid != 0 && os_tid == self.pid;
+                    let native_roots = &self.native_roots;
+                    if let Some((keep, start)) = fold_point(&frames, main_thread, |id| native_roots.get(&id).copied()) {
                         frames.truncate(keep);
                         frames.push(start_id(start));
                     }
