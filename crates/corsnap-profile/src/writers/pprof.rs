@@ -8,6 +8,10 @@
 //! thread's [`Thread::label`](crate::Thread::label), so `pprof -tagroot=thread`
 //! or `-tagfocus` split by thread; with [`WriteOptions::threads`] the label is
 //! also the root frame of every stack, as in the other formats.
+//!
+//! Each function is named as the other formats name its frame (readably,
+//! unless [`WriteOptions::raw_names`]); its `system_name` is always the name
+//! the runtime gave (`Shop.Orders+<HandleAsync>d__4.MoveNext`).
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
