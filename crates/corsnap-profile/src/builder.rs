@@ -472,10 +472,10 @@ mod tests {
                 "Shop.Program.Main;Shop.Orders.HandleAsync;\
                  System.Runtime.CompilerServices.AsyncMethodBuilderCore.Start<TStateMachine>;Shop.Orders.HandleAsync [async]",
                 "Shop.Program.Main;Shop.Program.Main.lambda#1;System.Linq.Enumerable.Sum;Shop.Repo.Items [iterator]",
-                // Called by another state machine, or by nothing known: either.
+                // A foreach in an async method; a stack that says nothing.
                 "Shop.Program.Main;Shop.Orders.HandleAsync;\
                  System.Runtime.CompilerServices.AsyncMethodBuilderCore.Start<TStateMachine>;Shop.Orders.HandleAsync [async];\
-                 Shop.Repo.Items [state machine]",
+                 Shop.Repo.Items [iterator]",
                 "Shop.Repo.Items [state machine]",
             ]
         );

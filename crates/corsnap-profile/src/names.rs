@@ -75,9 +75,12 @@ pub fn is_roslyn_move_next(raw: &str) -> bool {
 /// a state machine box, `ExecutionContext.RunInternal`), or by the method
 /// that started it, it is an async method; if the first frame below that
 /// machinery is the state machine's own `MoveNextAsync`, an async iterator.
-/// Called by other managed code (a `foreach`, LINQ), an iterator. Called by
-/// another state machine's `MoveNext` it is either (the call between them may
-/// have been inlined), so it stays unknown.
+/// Called by other managed code (a `foreach`, LINQ), an iterator; that
+/// includes another state machine's `MoveNext` (a `foreach` in an async
+/// method), which would only call an async method's `MoveNext` directly if
+/// the JIT had inlined both the method and `AsyncMethodBuilderCore.Start`
+/// (a method with a `try`/`finally`) into it, which .NET 8 to 10 were not
+/// seen to do.
 pub fn state_machine_from_callers<'a>(
     raw: &str,
     callers: impl IntoIterator<Item = Option<&'a str>>,
@@ -105,7 +108,7 @@ pub fn state_machine_from_callers<'a>(
         }
         return Some(StateMachine::Async);
     }
-    if is_roslyn_move_next(first) || first.starts_with('[') {
+    if first.starts_with('[') {
         return None;
     }
     Some(StateMachine::Iterator)
@@ -662,11 +665,12 @@ mod tests {
             (items, &[Some("Shop.Program.Main")], Some(Iterator)),
             (feed, &[Some(start), Some("Shop.Feed+<ReadAllAsync>d__2.System.Collections.Generic.IAsyncEnumerator<Shop.Item>.MoveNextAsync")], Some(AsyncIterator)),
             (feed, &[Some(start), Some(start), Some("Shop.Program+<Main>d__0.MoveNext")], Some(Async)),
-            // Nothing said: the stack's end, native or unknown code, another state machine.
+            // A foreach in an async method.
+            (items, &[Some("Shop.Program+<Main>d__0.MoveNext")], Some(Iterator)),
+            // Nothing said: the stack's end, native or unknown code.
             (items, &[], None),
             (items, &[None, Some("Shop.Program.Main")], None),
             (items, &[Some("[unknown function 0x12]")], None),
-            (items, &[Some("Shop.Program+<Main>d__0.MoveNext")], None),
             // Not a Roslyn state machine's MoveNext.
             ("Shop.Program+<Numbers>c__Iterator0.MoveNext", &[Some(start)], None),
             ("Shop.Program.Main", &[Some(start)], None),

@@ -8,7 +8,7 @@ mod support;
 use std::process::Command;
 
 use corsnap_profile::names::readable_name;
-use support::{corsnap_bin, describe, parse_collapsed, record, scratch, Runtime, Stack};
+use support::{corsnap_bin, describe, parse_collapsed, record, repo_root, scratch, Runtime, Stack};
 
 /// `corsnap report` of `raw` into collapsed stacks, with `args`.
 fn report(raw: &std::path::Path, name: &str, args: &[&str]) -> Vec<Stack> {
@@ -86,4 +86,77 @@ fn a_lambda_reads_as_its_method_and_every_thread_starts_with_one_frame() {
     assert!(!frames().any(|f| f.starts_with("[host start-up]") || f.starts_with("[thread start]")));
     let total = |stacks: &[Stack]| stacks.iter().map(|s| s.count).sum::<u64>();
     assert_eq!(total(&stacks), total(&raw_stacks), "the same samples either way");
+}
+
+#[test]
+fn async_methods_iterators_lambdas_and_local_functions_read_as_written() {
+    // tests/names.cs, next to this file, compiled by Roslyn for .NET 10.
+    let dir = scratch("names-generated");
+    let root = repo_root();
+    let status = Command::new("bash")
+        .arg(root.join("scripts/build-cs.sh"))
+        .arg(root.join("crates/corsnap/tests/names.cs"))
+        .arg(&dir)
+        .arg("10")
+        .status()
+        .expect("running scripts/build-cs.sh");
+    assert!(status.success(), "compiling names.cs failed");
+    let raw = dir.join("run.corsnap");
+    let output = Command::new(corsnap_bin())
+        .args(["record", "-r", "400", "-o"])
+        .arg(&raw)
+        .arg("--")
+        .arg(Runtime::Net10.dotnet())
+        .arg(dir.join("names.dll"))
+        .arg("2")
+        .env("DOTNET_SYSTEM_GLOBALIZATION_INVARIANT", "1")
+        // Without profile-guided devirtualization the JIT does not inline an
+        // iterator's MoveNext into its caller (`Enumerable.Sum`), which
+        // would leave no frame to name.
+        .env("DOTNET_TieredPGO", "0")
+        .output()
+        .expect("running corsnap record");
+    assert!(output.status.success(), "corsnap record failed: {}", String::from_utf8_lossy(&output.stderr));
+    assert!(String::from_utf8_lossy(&output.stdout).contains("done"));
+
+    let stacks = report(&raw, "readable.txt", &[]);
+    // The weight of samples whose frame right under Work.Spin is `caller`.
+    let under_spin = |caller: &dyn Fn(&str) -> bool| -> u64 {
+        stacks
+            .iter()
+            .filter(|s| s.frames.windows(2).any(|w| caller(&w[0]) && w[1] == "Names.Work.Spin"))
+            .map(|s| s.count)
+            .sum()
+    };
+    let spin: u64 = stacks.iter().filter(|s| s.frames.iter().any(|f| f == "Names.Work.Spin")).map(|s| s.count).sum();
+    type Matches<'a> = &'a dyn Fn(&str) -> bool;
+    let expected: [(&str, Matches); 5] = [
+        ("Names.Orders.HandleAsync [async]", &|f| f == "Names.Orders.HandleAsync [async]"),
+        ("Names.Repo.GetItems [iterator]", &|f| f == "Names.Repo.GetItems [iterator]"),
+        ("Names.Repo.ReadAllAsync [async…]", &|f| f.starts_with("Names.Repo.ReadAllAsync [async")),
+        ("Names.Builder.Build<T>.lambda#…", &|f| f.starts_with("Names.Builder.Build<T>.lambda#")),
+        ("Names.Chooser.Choose.choose", &|f| f == "Names.Chooser.Choose.choose"),
+    ];
+    let mut found = 0;
+    for (name, matches) in &expected {
+        let weight = under_spin(*matches);
+        assert!(weight > 0, "no sample of Work.Spin under {name}:\n{}", describe(&stacks));
+        found += weight;
+    }
+    // Every way Spin is called is one of them, and named so (or Main itself,
+    // where the JIT inlined a call).
+    found += under_spin(&|f| f == "Names.Program.Main [async]");
+    assert!(found * 100 >= spin * 95, "{found} of {spin} ns of Spin under the expected names:\n{}", describe(&stacks));
+    for s in &stacks {
+        for f in &s.frames {
+            let generated = ["d__", "b__", "g__", "DisplayClass", "<>c"].iter().any(|g| f.contains(g));
+            assert!(!generated, "{f} in {:?}", s.frames);
+        }
+    }
+
+    let raw_stacks = report(&raw, "raw.txt", &["--raw-names"]);
+    let frames: Vec<&String> = raw_stacks.iter().flat_map(|s| s.frames.iter()).collect();
+    for raw_name in ["Names.Orders+<HandleAsync>d__", "Names.Repo+<GetItems>d__", "Names.Chooser.<Choose>g__choose|"] {
+        assert!(frames.iter().any(|f| f.starts_with(raw_name)), "no {raw_name}…:\n{}", describe(&raw_stacks));
+    }
 }
