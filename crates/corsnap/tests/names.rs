@@ -70,9 +70,14 @@ fn a_lambda_reads_as_its_method_and_every_thread_starts_with_one_frame() {
         weight(&main_under_host),
         describe(&stacks)
     );
+    // No generated name anywhere, and no host frame left in a stack with a
+    // managed frame (the runtime's start-up before any managed code, a
+    // stack without one, keeps its frames).
     for s in &stacks {
+        let managed = s.frames.iter().any(|f| f.starts_with("Allocators.") || f.starts_with("System."));
         for f in &s.frames {
-            assert!(!f.contains("DisplayClass") && !f.contains("__libc_start"), "{f} in {:?}", s.frames);
+            assert!(!f.contains("DisplayClass"), "{f} in {:?}", s.frames);
+            assert!(!managed || !f.contains("__libc_start"), "{f} in {:?}", s.frames);
         }
     }
 
