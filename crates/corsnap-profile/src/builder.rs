@@ -6,6 +6,8 @@ use std::collections::HashMap;
 
 use corsnap_wire::{Message, SamplerStats, Severity};
 
+use crate::names::{is_roslyn_move_next, state_machine_from_callers, StateMachine};
+use crate::roots::{classify_native, fold_point, NativeRoot, Start};
 use crate::{EventKind, Frame, FrameIdx, FrameKind, GcRecord, Meta, Profile, Sample, Thread, ThreadIdx};
 
 /// Frame name for a run of unmanaged frames.
@@ -24,9 +26,30 @@ pub enum NativeFrames {
     Collapse,
 }
 
+/// What becomes of the native frames below a thread's first managed frame
+/// (the host's start-up, the runtime's thread start).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RootFrames {
+    /// One `[host start-up]` or `[thread start]` frame ([`crate::roots`]).
+    #[default]
+    Fold,
+    /// Each one, as walked.
+    Show,
+}
+
 #[derive(Debug, Default)]
 pub struct ProfileBuilder {
     native_frames: NativeFrames,
+    root_frames: RootFrames,
+    /// What each named native frame says about a stack's start.
+    native_roots: HashMap<u64, NativeRoot>,
+    /// `[host start-up]` and `[thread start]`, once interned.
+    start_frames: HashMap<Start, FrameIdx>,
+    /// Whether a frame is a Roslyn state machine's `MoveNext` (by
+    /// [`FrameIdx`]; `None` until first asked), and its variants by what the
+    /// stack showed it to be.
+    move_next: Vec<Option<bool>>,
+    state_machines: HashMap<(FrameIdx, StateMachine), FrameIdx>,
     profile: Profile,
     functions: HashMap<u64, FrameIdx>,
     /// Runtime `ThreadID` to the thread it currently denotes (ids are reused
@@ -51,6 +74,10 @@ impl ProfileBuilder {
 
     pub fn set_native_frames(&mut self, mode: NativeFrames) {
         self.native_frames = mode;
+    }
+
+    pub fn set_root_frames(&mut self, mode: RootFrames) {
+        self.root_frames = mode;
     }
 
     /// Applies one message. Messages that do not shape the profile (notices,
@@ -87,11 +114,14 @@ impl ProfileBuilder {
             }
             Message::Function { function_id, name, module } => {
                 let native = function_id & corsnap_wire::NATIVE_FRAME_BIT != 0;
+                if native {
+                    self.native_roots.insert(*function_id, classify_native(name, module));
+                }
                 let idx = if native && self.native_frames == NativeFrames::Collapse {
                     self.marker_frame(NATIVE_FRAME, FrameKind::Native)
                 } else {
                     let kind = if native { FrameKind::NativeSymbol } else { FrameKind::Managed };
-                    self.profile.intern_frame(Frame { name: name.clone(), module: module.clone(), kind })
+                    self.profile.intern_frame(Frame::new(name.clone(), module.clone(), kind))
                 };
                 self.functions.insert(*function_id, idx);
             }
@@ -133,7 +163,19 @@ impl ProfileBuilder {
         if !leaf.is_empty() {
             stack.push(self.synthetic_frame(leaf.to_string(), FrameKind::Subject));
         }
-        for &function_id in frames {
+        // The frames below the first managed one, folded (a stack cut short
+        // never reached them).
+        let thread = self.thread_for(thread_id);
+        let fold = match self.root_frames {
+            RootFrames::Fold if !truncated => {
+                let os_tid = self.profile.threads[thread as usize].os_tid;
+                let main_thread = os_tid != 0 && os_tid == self.profile.meta.pid;
+                fold_point(frames, main_thread, |id| self.native_roots.get(&id).copied())
+            }
+            _ => None,
+        };
+        let kept = fold.map_or(frames, |(keep, _)| &frames[..keep]);
+        for &function_id in kept {
             let idx = match function_id {
                 0 => self.marker_frame(NATIVE_FRAME, FrameKind::Native),
                 id => match self.functions.get(&id) {
@@ -147,13 +189,59 @@ impl ProfileBuilder {
                 stack.push(idx);
             }
         }
+        if let Some((_, start)) = fold {
+            let idx = match self.start_frames.get(&start) {
+                Some(&idx) => idx,
+                None => {
+                    let idx = self.synthetic_frame(start.frame_name().to_string(), FrameKind::Start);
+                    self.start_frames.insert(start, idx);
+                    idx
+                }
+            };
+            stack.push(idx);
+        }
         if truncated {
             stack.push(self.marker_frame(TRUNCATED_FRAME, FrameKind::Truncated));
         }
+        self.tell_state_machines(&mut stack);
         let stack_idx = self.profile.intern_stack(&stack);
         self.scratch = stack;
-        let thread = self.thread_for(thread_id);
         self.profile.samples.push(Sample { time_ns, thread, stack: stack_idx, weight, kind });
+    }
+
+    /// Gives each Roslyn state machine's `MoveNext` in `stack` (leaf first)
+    /// what its callers show it to be: an async method or an iterator
+    /// ([`state_machine_from_callers`]).
+    fn tell_state_machines(&mut self, stack: &mut [FrameIdx]) {
+        for i in 0..stack.len() {
+            let frame = stack[i];
+            let frames = &self.profile.frames;
+            if self.move_next.len() < frames.len() {
+                self.move_next.resize(frames.len(), None);
+            }
+            let is_move_next = *self.move_next[frame as usize].get_or_insert_with(|| {
+                let f = &frames[frame as usize];
+                f.kind == FrameKind::Managed && is_roslyn_move_next(&f.name)
+            });
+            if !is_move_next {
+                continue;
+            }
+            let callers = stack[i + 1..].iter().map(|&caller| {
+                let caller = &frames[caller as usize];
+                (caller.kind == FrameKind::Managed).then_some(caller.name.as_str())
+            });
+            let Some(kind) = state_machine_from_callers(&frames[frame as usize].name, callers) else { continue };
+            stack[i] = match self.state_machines.get(&(frame, kind)) {
+                Some(&variant) => variant,
+                None => {
+                    let mut variant = self.profile.frames[frame as usize].clone();
+                    variant.state_machine = Some(kind);
+                    let idx = self.profile.intern_frame(variant);
+                    self.state_machines.insert((frame, kind), idx);
+                    idx
+                }
+            };
+        }
     }
 
     /// `[native code]` or `[truncated]`, interned once rather than looked up
@@ -174,7 +262,7 @@ impl ProfileBuilder {
 
     /// A frame that is not a managed method: no module.
     fn synthetic_frame(&mut self, name: String, kind: FrameKind) -> FrameIdx {
-        self.profile.intern_frame(Frame { name, module: String::new(), kind })
+        self.profile.intern_frame(Frame::new(name, String::new(), kind))
     }
 
     fn thread_for(&mut self, thread_id: u64) -> ThreadIdx {
@@ -249,6 +337,151 @@ mod tests {
         assert_eq!(p.threads[p.samples[0].thread as usize].label(), "worker tid=77");
         let names: Vec<_> = p.stack_names_root_first(p.samples[2].stack).collect();
         assert_eq!(names, [TRUNCATED_FRAME, "[unknown function 0x3]"]);
+    }
+
+    fn function(function_id: u64, name: &str, module: &str) -> Message {
+        Message::Function { function_id, name: name.into(), module: module.into() }
+    }
+
+    const N: u64 = corsnap_wire::NATIVE_FRAME_BIT;
+
+    /// A main thread under the host, a worker under its thread start, a
+    /// native-only GC thread: frames leaf first.
+    fn roots_builder(native: NativeFrames, roots: RootFrames) -> ProfileBuilder {
+        let mut b = ProfileBuilder::new();
+        b.set_native_frames(native);
+        b.set_root_frames(roots);
+        for message in [
+            function(N | 1, "dotnet+0x6c48", "dotnet"),
+            function(N | 2, "libc.so.6!__libc_start_main_alias_2", "libc.so.6"),
+            function(N | 3, "libhostfxr.so!hostfxr_main_startupinfo", "libhostfxr.so"),
+            function(N | 4, "libcoreclr.so+0x63cf50", "libcoreclr.so"),
+            function(N | 5, "libc.so.6!clone3", "libc.so.6"),
+            function(N | 6, "libc.so.6!start_thread", "libc.so.6"),
+            function(N | 7, "libc.so.6!qsort", "libc.so.6"),
+            function(N | 8, "[incomplete stack]", ""),
+            function(0x10, "Shop.Program.Main", "Shop.dll"),
+            function(0x20, "Shop.Sorter.Compare", "Shop.dll"),
+            function(0x30, "System.Threading.Thread.StartCallback", "System.Private.CoreLib.dll"),
+        ] {
+            b.apply(&message);
+        }
+        let main = [0x20, N | 7, 0x10, N | 4, N | 4, N | 3, N | 2, N | 1];
+        b.add_sample(1, 1, false, &main, 1);
+        b.add_sample(2, 2, false, &[0x20, 0x30, N | 4, N | 6, N | 5], 1);
+        b.add_sample(3, 3, false, &[N | 4, N | 6, N | 5], 1);
+        b.add_sample(4, 1, true, &main[..5], 1);
+        b.add_sample(5, 1, false, &[0x20, 0x10, N | 4, N | 8], 1);
+        b
+    }
+
+    fn stacks(p: &Profile) -> Vec<String> {
+        p.samples.iter().map(|s| p.stack_names_root_first(s.stack).collect::<Vec<_>>().join(";")).collect()
+    }
+
+    #[test]
+    fn frames_below_the_first_managed_one_fold_into_what_they_are() {
+        let p = roots_builder(NativeFrames::Show, RootFrames::Fold).finish();
+        assert_eq!(
+            stacks(&p),
+            [
+                "[host start-up];Shop.Program.Main;libc.so.6!qsort;Shop.Sorter.Compare",
+                "[thread start];System.Threading.Thread.StartCallback;Shop.Sorter.Compare",
+                // Nothing managed: a native thread keeps its frames.
+                "libc.so.6!clone3;libc.so.6!start_thread;libcoreclr.so+0x63cf50",
+                // Cut short, or lost on the way: never folded.
+                "[truncated];libcoreclr.so+0x63cf50;libcoreclr.so+0x63cf50;Shop.Program.Main;libc.so.6!qsort;Shop.Sorter.Compare",
+                "[incomplete stack];libcoreclr.so+0x63cf50;Shop.Program.Main;Shop.Sorter.Compare",
+            ]
+        );
+        assert_eq!(p.frames.iter().filter(|f| f.kind == FrameKind::Start).count(), 2);
+
+        let collapsed = stacks(&roots_builder(NativeFrames::Collapse, RootFrames::Fold).finish());
+        assert_eq!(collapsed[0], "[host start-up];Shop.Program.Main;[native code];Shop.Sorter.Compare");
+        assert_eq!(collapsed[1], "[thread start];System.Threading.Thread.StartCallback;Shop.Sorter.Compare");
+
+        let shown = stacks(&roots_builder(NativeFrames::Show, RootFrames::Show).finish());
+        assert_eq!(
+            shown[0],
+            "dotnet+0x6c48;libc.so.6!__libc_start_main_alias_2;libhostfxr.so!hostfxr_main_startupinfo;\
+             libcoreclr.so+0x63cf50;libcoreclr.so+0x63cf50;Shop.Program.Main;libc.so.6!qsort;Shop.Sorter.Compare"
+        );
+    }
+
+    #[test]
+    fn the_runtimes_own_walks_fold_by_thread_the_first_being_the_hosts() {
+        let mut b = ProfileBuilder::new();
+        b.apply(&Message::Hello {
+            protocol: 1,
+            pid: 77,
+            runtime_version: "10.0.0".into(),
+            info_version: 14,
+            rate_hz: 100,
+            attached: false,
+        });
+        b.apply(&Message::Thread { thread_id: 10, os_tid: 77, name: String::new() });
+        b.apply(&Message::Thread { thread_id: 11, os_tid: 78, name: "worker".into() });
+        b.apply(&function(0x10, "Shop.Program.Main", "Shop.dll"));
+        b.apply(&function(0x20, "Shop.Sorter.Compare", "Shop.dll"));
+        b.add_sample(1, 10, false, &[0x20, 0, 0x10, 0], 1);
+        b.add_sample(2, 11, false, &[0x20, 0], 1);
+        b.add_sample(3, 11, false, &[0x20], 1);
+        b.set_root_frames(RootFrames::Show);
+        b.add_sample(4, 10, false, &[0x20, 0, 0x10, 0], 1);
+        assert_eq!(
+            stacks(&b.finish()),
+            [
+                "[host start-up];Shop.Program.Main;[native code];Shop.Sorter.Compare",
+                "[thread start];Shop.Sorter.Compare",
+                "Shop.Sorter.Compare",
+                "[native code];Shop.Program.Main;[native code];Shop.Sorter.Compare",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_state_machine_is_named_by_what_calls_it() {
+        let mut b = ProfileBuilder::new();
+        for message in [
+            function(0x10, "Shop.Program.Main", "Shop.dll"),
+            function(0x20, "Shop.Orders+<HandleAsync>d__4.MoveNext", "Shop.dll"),
+            function(0x30, "System.Runtime.CompilerServices.AsyncMethodBuilderCore.Start<TStateMachine>", "c.dll"),
+            function(0x40, "Shop.Orders.HandleAsync", "Shop.dll"),
+            function(0x50, "Shop.Repo+<Items>d__3.MoveNext", "Shop.dll"),
+            function(0x60, "System.Linq.Enumerable.Sum", "System.Linq.dll"),
+            function(0x70, "Shop.Program+<>c.<Main>b__0_1", "Shop.dll"),
+        ] {
+            b.apply(&message);
+        }
+        b.add_sample(1, 1, false, &[0x20, 0x30, 0x40, 0x10], 1);
+        b.add_sample(2, 1, false, &[0x50, 0x60, 0x70, 0x10], 1);
+        b.add_sample(3, 1, false, &[0x50, 0x20, 0x30, 0x40, 0x10], 1);
+        b.add_sample(4, 1, false, &[0x50], 1);
+        let p = b.finish();
+        let shown: Vec<String> = p
+            .samples
+            .iter()
+            .map(|s| {
+                let frames = p.stacks[s.stack as usize].iter().rev();
+                frames.map(|&f| p.frames[f as usize].display_name().into_owned()).collect::<Vec<_>>().join(";")
+            })
+            .collect();
+        assert_eq!(
+            shown,
+            [
+                "Shop.Program.Main;Shop.Orders.HandleAsync;\
+                 System.Runtime.CompilerServices.AsyncMethodBuilderCore.Start<TStateMachine>;Shop.Orders.HandleAsync [async]",
+                "Shop.Program.Main;Shop.Program.Main.lambda#1;System.Linq.Enumerable.Sum;Shop.Repo.Items [iterator]",
+                // A foreach in an async method; a stack that says nothing.
+                "Shop.Program.Main;Shop.Orders.HandleAsync;\
+                 System.Runtime.CompilerServices.AsyncMethodBuilderCore.Start<TStateMachine>;Shop.Orders.HandleAsync [async];\
+                 Shop.Repo.Items [iterator]",
+                "Shop.Repo.Items [state machine]",
+            ]
+        );
+        // The raw name is the same in every variant.
+        let items: Vec<_> = p.frames.iter().filter(|f| f.name == "Shop.Repo+<Items>d__3.MoveNext").collect();
+        assert_eq!(items.len(), 2);
     }
 
     #[test]

@@ -5,9 +5,12 @@
 #![forbid(unsafe_code)]
 
 mod builder;
+pub mod names;
+pub mod roots;
 pub mod writers;
 
-pub use builder::{NativeFrames, ProfileBuilder};
+pub use builder::{NativeFrames, ProfileBuilder, RootFrames};
+pub use names::StateMachine;
 
 use std::collections::HashMap;
 
@@ -33,6 +36,9 @@ pub enum FrameKind {
     Unresolved,
     /// Marks a stack the agent cut short at its buffer size.
     Truncated,
+    /// The native frames below a thread's first managed frame, folded into
+    /// one (`[host start-up]`, `[thread start]`).
+    Start,
     /// What an event was about, above the stack: an exception's or
     /// allocation's type, a loaded class, a collection.
     Subject,
@@ -40,11 +46,32 @@ pub enum FrameKind {
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Frame {
-    /// What a person reads: `Shop.Billing.Ledger<TKey>+Entry.Settle<TValue>`.
+    /// The name as the agent sent it (`Shop.Billing.Ledger<TKey>+Entry.Settle<TValue>`,
+    /// `Shop.Orders+<HandleAsync>d__4.MoveNext`); [`Frame::display_name`] is
+    /// what a person reads.
     pub name: String,
     /// The module file it lives in (`app.dll`), empty when unknown.
     pub module: String,
     pub kind: FrameKind,
+    /// What the stack showed a Roslyn state machine's `MoveNext` to be
+    /// (the same method can be interned once per answer).
+    pub state_machine: Option<StateMachine>,
+}
+
+impl Frame {
+    pub fn new(name: impl Into<String>, module: impl Into<String>, kind: FrameKind) -> Frame {
+        Frame { name: name.into(), module: module.into(), kind, state_machine: None }
+    }
+
+    /// The name a person reads: a managed method the compiler generated as
+    /// the method the user wrote ([`names::readable_name`]); every other
+    /// name as it is.
+    pub fn display_name(&self) -> std::borrow::Cow<'_, str> {
+        match self.kind {
+            FrameKind::Managed => names::readable_name(&self.name, self.state_machine),
+            _ => std::borrow::Cow::Borrowed(&self.name),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

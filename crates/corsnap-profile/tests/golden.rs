@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use corsnap_profile::writers::{writer_for, Format, WriteOptions};
-use corsnap_profile::{Meta, Profile, ProfileBuilder};
+use corsnap_profile::{Meta, Profile, ProfileBuilder, RootFrames};
 use corsnap_wire::Message;
 
 const MAIN_THREAD: u64 = 0x7f00_0000_1000;
@@ -84,6 +84,59 @@ fn representative_profile() -> Profile {
     builder.add_sample(40 * MS, MAIN_THREAD, false, &settle_in_main, 1);
     builder.add_sample(40 * MS, UNNAMED_THREAD, false, &[NATIVE, DISPATCH], 1);
     builder.add_sample(50 * MS, MAIN_THREAD, false, &[READ_FIELD, MSORT, QSORT, LEDGER_POST, MAIN], 1);
+    builder.finish()
+}
+
+/// What a real application's profile is full of: names the C# compiler made
+/// up (Roslyn's and Mono's) and the host's and runtime's frames under each
+/// thread's first managed frame, with `roots` deciding what becomes of
+/// those.
+fn generated_names_profile(roots: RootFrames) -> Profile {
+    const N: u64 = corsnap_wire::NATIVE_FRAME_BIT;
+    let functions: &[(u64, &str, &str)] = &[
+        (N | 1, "dotnet+0x6c48", "dotnet"),
+        (N | 2, "libc.so.6!__libc_start_main_alias_2", "libc.so.6"),
+        (N | 3, "libhostfxr.so!hostfxr_main_startupinfo", "libhostfxr.so"),
+        (N | 4, "libhostpolicy.so!corehost_main", "libhostpolicy.so"),
+        (N | 5, "libcoreclr.so+0x1ec8db", "libcoreclr.so"),
+        (N | 6, "libc.so.6!clone3", "libc.so.6"),
+        (N | 7, "libc.so.6!start_thread", "libc.so.6"),
+        (N | 8, "libcoreclr.so+0x63cf50", "libcoreclr.so"),
+        (N | 9, "libc.so.6!qsort", "libc.so.6"),
+        (0x10, "Shop.Program.<Main>", "Shop.dll"),
+        (0x11, "Shop.Program.Main", "Shop.dll"),
+        (
+            0x12,
+            "System.Runtime.CompilerServices.AsyncMethodBuilderCore.Start<TStateMachine>",
+            "System.Private.CoreLib.dll",
+        ),
+        (0x13, "Shop.Program+<Main>d__0.MoveNext", "Shop.dll"),
+        (0x14, "Shop.OrderService.HandleAsync", "Shop.dll"),
+        (0x15, "Shop.OrderService+<HandleAsync>d__4.MoveNext", "Shop.dll"),
+        (0x16, "CommandLine.Core.InstanceChooser.<Choose>g__choose|1_1", "CommandLine.dll"),
+        (0x17, "CommandLine.Core.InstanceBuilder+<>c__DisplayClass1_0<T>.<Build>b__5", "CommandLine.dll"),
+        (0x18, "System.Linq.Enumerable.Sum", "System.Linq.dll"),
+        (0x19, "Shop.Repo<T>+<GetItems>d__3<U>.MoveNext", "Shop.dll"),
+        (0x1a, "Shop.Program+<Main>c__AnonStorey0.<>m__0", "Shop.dll"),
+        (0x1b, "System.Threading.Thread.StartCallback", "System.Private.CoreLib.dll"),
+        (0x1c, "Shop.Sorter.<Sort>m__2", "Shop.dll"),
+        (0x1d, "Shop.Money.op_Addition", "Shop.dll"),
+    ];
+    let mut builder = ProfileBuilder::new();
+    builder.set_root_frames(roots);
+    builder.apply(&Message::Thread { thread_id: MAIN_THREAD, os_tid: 4242, name: "main".into() });
+    builder.apply(&Message::Thread { thread_id: WORKER_THREAD, os_tid: 4250, name: "items".into() });
+    for &(function_id, name, module) in functions {
+        builder.apply(&Message::Function { function_id, name: name.into(), module: module.into() });
+    }
+    let host = [N | 5, N | 4, N | 3, N | 1, N | 2, N | 1];
+    let main = |frames: &[u64]| [frames, &[0x13, 0x12, 0x11, 0x10], &host].concat();
+    let thread = |frames: &[u64]| [frames, &[0x1b, N | 8, N | 8, N | 7, N | 6]].concat();
+    builder.add_sample(10 * MS, MAIN_THREAD, false, &main(&[0x15, 0x12, 0x14]), 3);
+    builder.add_sample(20 * MS, MAIN_THREAD, false, &main(&[0x1d, 0x16]), 2);
+    builder.add_sample(30 * MS, MAIN_THREAD, false, &main(&[0x1c, N | 9, 0x17]), 1);
+    builder.add_sample(40 * MS, WORKER_THREAD, false, &thread(&[0x19, 0x18, 0x1a]), 4);
+    builder.add_sample(50 * MS, WORKER_THREAD, false, &[N | 8, N | 7, N | 6], 1);
     builder.finish()
 }
 
@@ -217,4 +270,15 @@ fn pprof_is_repeatable_gzip() {
         assert_eq!(bytes[..2], [0x1f, 0x8b], "gzip magic");
         assert_eq!(bytes, render_bytes(&profile, Format::Pprof, &options), "pprof must be repeatable");
     }
+}
+
+#[test]
+fn generated_names_and_roots_match_golden() {
+    let profile = generated_names_profile(RootFrames::Fold);
+    check_golden("names-collapsed.txt", &render(&profile, Format::Collapsed, &WriteOptions::default()));
+    let options = WriteOptions { title: "names".into(), ..WriteOptions::default() };
+    check_golden("names-speedscope.json", &without_version(&render(&profile, Format::Speedscope, &options)));
+    let raw = WriteOptions { raw_names: true, ..WriteOptions::default() };
+    let shown = generated_names_profile(RootFrames::Show);
+    check_golden("names-collapsed-raw.txt", &render(&shown, Format::Collapsed, &raw));
 }

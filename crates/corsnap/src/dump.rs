@@ -108,9 +108,9 @@ fn write_text(profile: &Profile, out: &mut impl Write) -> std::io::Result<()> {
         for &frame in &profile.stacks[sample.stack as usize] {
             let f = &profile.frames[frame as usize];
             if f.module.is_empty() {
-                writeln!(out, "    {}", f.name)?;
+                writeln!(out, "    {}", f.display_name())?;
             } else {
-                writeln!(out, "    {} ({})", f.name, f.module)?;
+                writeln!(out, "    {} ({})", f.display_name(), f.module)?;
             }
         }
     }
@@ -126,7 +126,7 @@ fn to_json(profile: &Profile) -> String {
                 .iter()
                 .map(|&f| {
                     let f = &profile.frames[f as usize];
-                    serde_json::json!({ "name": f.name, "module": f.module })
+                    serde_json::json!({ "name": f.name, "display": f.display_name(), "module": f.module })
                 })
                 .collect();
             serde_json::json!({ "os_tid": t.os_tid, "name": display_name(profile, t), "frames": frames })

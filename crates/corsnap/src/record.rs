@@ -48,6 +48,10 @@ pub struct RecordOptions {
     pub timers: bool,
     /// Whether native frames are shown one by one.
     pub native: NativeFrames,
+    /// Whether the native frames below a thread's first managed frame fold into one.
+    pub roots: corsnap_profile::RootFrames,
+    /// Method names as the runtime gives them, not readable.
+    pub raw_names: bool,
     /// Flame graph title (empty: the command).
     pub title: String,
     /// Icicle flame graphs.
@@ -60,6 +64,7 @@ impl RecordOptions {
             threads: self.threads,
             title: self.title.clone(),
             inverted: self.inverted,
+            raw_names: self.raw_names,
         }
     }
 }
@@ -223,6 +228,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
 
     let mut builder = ProfileBuilder::new();
     builder.set_native_frames(options.native);
+    builder.set_root_frames(options.roots);
     let recording = Message::Recording { command: command_line, start_unix_ms: unix_ms() };
     builder.apply(&recording);
     let mut raw = match options.format {

@@ -20,6 +20,8 @@ pub struct ReportOptions {
     pub title: String,
     pub inverted: bool,
     pub native: corsnap_profile::NativeFrames,
+    pub roots: corsnap_profile::RootFrames,
+    pub raw_names: bool,
 }
 
 pub fn run(options: &ReportOptions) -> Result<()> {
@@ -36,6 +38,7 @@ pub fn run(options: &ReportOptions) -> Result<()> {
     read_raw_header(&mut input).with_context(|| format!("reading {}", options.input.display()))?;
     let mut builder = ProfileBuilder::new();
     builder.set_native_frames(options.native);
+    builder.set_root_frames(options.roots);
     let mut scratch = Vec::new();
     loop {
         match read_message(&mut input, &mut scratch) {
@@ -62,6 +65,7 @@ pub fn run(options: &ReportOptions) -> Result<()> {
         threads: options.threads,
         title: options.title.clone(),
         inverted: options.inverted,
+        raw_names: options.raw_names,
     };
     outputs.write(&profile, &write_options)?;
     eprintln!("corsnap: wrote {} ({samples} samples)", paths.join(", "));

@@ -14,7 +14,9 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use corsnap_profile::NativeFrames;
+use corsnap_profile::names::{is_roslyn_move_next, readable_name, state_machine_from_callers};
+use corsnap_profile::roots::{classify_native, fold_point, NativeRoot, Start};
+use corsnap_profile::{NativeFrames, RootFrames};
 use corsnap_wire::{AttachRequest, EventKind, Message, SamplerKind, NATIVE_FRAME_BIT};
 use ratatui::crossterm::event::{self, Event as KeyEvent, KeyCode, KeyEventKind, KeyModifiers};
 use ratatui::crossterm::execute;
@@ -36,6 +38,8 @@ pub struct TopOptions {
     pub sampler: SamplerKind,
     pub timers: bool,
     pub native: NativeFrames,
+    pub roots: RootFrames,
+    pub raw_names: bool,
     pub interval: Duration,
     pub agent_path: Option<PathBuf>,
 }
@@ -123,12 +127,41 @@ impl SortBy {
     }
 }
 
+/// The frame ids `top` gives the folded start of a stack (never a
+/// `FunctionID`, nor a native frame's id: user-space addresses are below
+/// 2^47).
+const HOST_START_ID: u64 = u64::MAX;
+const THREAD_START_ID: u64 = u64::MAX - 1;
+
+fn start_id(start: Start) -> u64 {
+    match start {
+        Start::Host => HOST_START_ID,
+        Start::Thread => THREAD_START_ID,
+    }
+}
+
+fn is_start_id(id: u64) -> bool {
+    id == HOST_START_ID || id == THREAD_START_ID
+}
+
 /// Everything the screen shows.
 struct View {
     title: String,
     event: EventKind,
     native: NativeFrames,
+    roots: RootFrames,
+    raw_names: bool,
+    /// Each function's name as shown.
     names: HashMap<u64, String>,
+    /// What named native frames say about where a stack starts.
+    native_roots: HashMap<u64, NativeRoot>,
+    /// The process's id: its first thread's OS thread id.
+    pid: u32,
+    /// Roslyn state machines' `MoveNext`s by raw name, until a stack has
+    /// shown what they are.
+    untold_state_machines: HashMap<u64, String>,
+    /// Managed functions' raw names (what tells a state machine's callers).
+    raw: HashMap<u64, String>,
     threads: HashMap<u64, (u32, String)>,
     kernel_names: HashMap<u32, String>,
     /// The interval being collected, the last complete one, and all.
@@ -143,15 +176,54 @@ struct View {
 }
 
 impl View {
+    fn new(title: String, options: &TopOptions) -> View {
+        View {
+            title,
+            event: options.event,
+            native: options.native,
+            roots: options.roots,
+            raw_names: options.raw_names,
+            names: HashMap::from([
+                (HOST_START_ID, Start::Host.frame_name().to_string()),
+                (THREAD_START_ID, Start::Thread.frame_name().to_string()),
+            ]),
+            native_roots: HashMap::new(),
+            pid: 0,
+            untold_state_machines: HashMap::new(),
+            raw: HashMap::new(),
+            threads: HashMap::new(),
+            kernel_names: HashMap::new(),
+            current: Tally::default(),
+            last: Tally::default(),
+            all: Tally::default(),
+            sort: SortBy::OwnNow,
+            thread: None,
+            paused: false,
+            started: Instant::now(),
+            note: None,
+        }
+    }
+
     fn apply(&mut self, msg: &Message) {
         match msg {
-            Message::Function { function_id, name, .. } => {
-                let name = if function_id & NATIVE_FRAME_BIT != 0 && self.native == NativeFrames::Collapse {
+            Message::Hello { pid, .. } => self.pid = *pid,
+            Message::Function { function_id, name, module } => {
+                let native = function_id & NATIVE_FRAME_BIT != 0;
+                if native {
+                    self.native_roots.insert(*function_id, classify_native(name, module));
+                }
+                let shown = if native && self.native == NativeFrames::Collapse {
                     "[native code]".to_string()
-                } else {
+                } else if native || self.raw_names {
                     name.clone()
+                } else {
+                    self.raw.insert(*function_id, name.clone());
+                    if is_roslyn_move_next(name) {
+                        self.untold_state_machines.insert(*function_id, name.clone());
+                    }
+                    readable_name(name, None).into_owned()
                 };
-                self.names.insert(*function_id, name);
+                self.names.insert(*function_id, shown);
             }
             Message::Thread { thread_id, os_tid, name } => {
                 let keep = name.is_empty() && self.threads.get(thread_id).is_some_and(|t| !t.1.is_empty());
@@ -162,12 +234,23 @@ impl View {
             Message::OsThreadName { os_tid, name } => {
                 self.kernel_names.insert(*os_tid, name.clone());
             }
-            Message::Sample { thread_id, kind, weight, frames, .. } if *kind == self.event => {
+            Message::Sample { thread_id, kind, weight, frames, truncated, .. } if *kind == self.event => {
+                self.tell_state_machines(frames);
+                let mut frames = frames.clone();
+                if self.roots == RootFrames::Fold && !truncated {
+                    let os_tid = self.threads.get(thread_id).map_or(0, |t| t.0);
+                    let main_thread = os_tid != 0 && os_tid == self.pid;
+                    let native_roots = &self.native_roots;
+                    if let Some((keep, start)) = fold_point(&frames, main_thread, |id| native_roots.get(&id).copied()) {
+                        frames.truncate(keep);
+                        frames.push(start_id(start));
+                    }
+                }
                 // Collapsed native runs: one frame for a run.
                 let frames: Vec<u64> = if self.native == NativeFrames::Collapse {
                     let mut out: Vec<u64> = Vec::with_capacity(frames.len());
-                    for &f in frames {
-                        let native = f == 0 || f & NATIVE_FRAME_BIT != 0;
+                    for &f in &frames {
+                        let native = (f == 0 || f & NATIVE_FRAME_BIT != 0) && !is_start_id(f);
                         let key = if native { 0 } else { f };
                         if !(native && out.last() == Some(&0)) {
                             out.push(key);
@@ -175,13 +258,33 @@ impl View {
                     }
                     out
                 } else {
-                    frames.clone()
+                    frames
                 };
                 self.current.add(*thread_id, &frames, *weight);
                 self.all.add(*thread_id, &frames, *weight);
             }
             Message::Notice { text, .. } => self.note = Some(text.clone()),
             _ => {}
+        }
+    }
+
+    /// Names a state machine's `MoveNext` by what the first stack it is
+    /// seen in shows it to be (async method or iterator).
+    fn tell_state_machines(&mut self, frames: &[u64]) {
+        if self.untold_state_machines.is_empty() {
+            return;
+        }
+        for (i, f) in frames.iter().enumerate() {
+            let Some(raw) = self.untold_state_machines.get(f) else { continue };
+            let callers = frames[i + 1..].iter().map(|caller| {
+                let managed = *caller != 0 && caller & NATIVE_FRAME_BIT == 0;
+                managed.then(|| self.raw.get(caller).map(String::as_str)).flatten()
+            });
+            if let Some(kind) = state_machine_from_callers(raw, callers) {
+                let name = readable_name(raw, Some(kind)).into_owned();
+                self.names.insert(*f, name);
+                self.untold_state_machines.remove(f);
+            }
         }
     }
 
@@ -354,6 +457,8 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
                 sampler: options.sampler,
                 timers: options.timers,
                 native: options.native,
+                roots: options.roots,
+                raw_names: options.raw_names,
                 title: String::new(),
                 inverted: false,
             };
@@ -363,22 +468,7 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
             (connection, format!("corsnap top · {command}"), Some(process))
         }
     };
-    let view = View {
-        title,
-        event: options.event,
-        native: options.native,
-        names: HashMap::new(),
-        threads: HashMap::new(),
-        kernel_names: HashMap::new(),
-        current: Tally::default(),
-        last: Tally::default(),
-        all: Tally::default(),
-        sort: SortBy::OwnNow,
-        thread: None,
-        paused: false,
-        started: Instant::now(),
-        note: None,
-    };
+    let view = View::new(title, options);
     enable_raw_mode().context("switching the terminal to raw mode (corsnap top needs a terminal)")?;
     let guard = TerminalGuard;
     execute!(io::stdout(), EnterAlternateScreen)?;
@@ -462,5 +552,84 @@ fn ui_loop(
             terminal.draw(|f| view.draw(f))?;
             dirty = false;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const N: u64 = NATIVE_FRAME_BIT;
+
+    fn options(native: NativeFrames, roots: RootFrames, raw_names: bool) -> TopOptions {
+        TopOptions {
+            target: Target::Attach(1),
+            event: EventKind::Cpu,
+            rate_hz: 100,
+            sampler: SamplerKind::Signal,
+            timers: false,
+            native,
+            roots,
+            raw_names,
+            interval: Duration::from_secs(1),
+            agent_path: None,
+        }
+    }
+
+    /// The functions' totals as shown, sorted by name.
+    fn totals(options: &TopOptions) -> Vec<(String, u64)> {
+        let mut view = View::new(String::new(), options);
+        let functions: &[(u64, &str, &str)] = &[
+            (N | 1, "libc.so.6!__libc_start_main_alias_2", "libc.so.6"),
+            (N | 2, "libcoreclr.so+0x1ec8db", "libcoreclr.so"),
+            (N | 3, "libc.so.6!qsort", "libc.so.6"),
+            (0x10, "Shop.Program.Main", "Shop.dll"),
+            (0x11, "System.Runtime.CompilerServices.AsyncMethodBuilderCore.Start<TStateMachine>", "c.dll"),
+            (0x12, "Shop.Program+<Main>d__0.MoveNext", "Shop.dll"),
+            (0x13, "Shop.Program+<>c.<Main>b__0_1", "Shop.dll"),
+        ];
+        for &(function_id, name, module) in functions {
+            view.apply(&Message::Function { function_id, name: name.into(), module: module.into() });
+        }
+        let frames = vec![0x13, N | 3, 0x12, 0x11, 0x10, N | 2, N | 1];
+        let sample = Message::Sample {
+            time_ns: 1,
+            thread_id: 7,
+            kind: EventKind::Cpu,
+            weight: 5,
+            truncated: false,
+            leaf: String::new(),
+            frames,
+        };
+        view.apply(&sample);
+        let (all, _) = view.all.view(None);
+        let mut totals: Vec<(String, u64)> = all.iter().map(|(&f, w)| (view.function_name(f), w.total)).collect();
+        totals.sort();
+        totals
+    }
+
+    #[test]
+    fn names_are_readable_and_roots_fold_as_in_profiles() {
+        let shown = totals(&options(NativeFrames::Show, RootFrames::Fold, false));
+        let names: Vec<&str> = shown.iter().map(|(name, _)| name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "Shop.Program.Main",
+                "Shop.Program.Main [async]",
+                "Shop.Program.Main.lambda#1",
+                "System.Runtime.CompilerServices.AsyncMethodBuilderCore.Start<TStateMachine>",
+                "[host start-up]",
+                "libc.so.6!qsort",
+            ]
+        );
+        let collapsed = totals(&options(NativeFrames::Collapse, RootFrames::Fold, false));
+        assert!(collapsed.iter().any(|(name, _)| name == "[host start-up]"), "{collapsed:?}");
+        assert!(collapsed.iter().any(|(name, _)| name == "[native code]"), "{collapsed:?}");
+
+        let raw = totals(&options(NativeFrames::Show, RootFrames::Show, true));
+        let names: Vec<&str> = raw.iter().map(|(name, _)| name.as_str()).collect();
+        assert!(names.contains(&"Shop.Program+<Main>d__0.MoveNext") && names.contains(&"libcoreclr.so+0x1ec8db"));
+        assert!(!names.contains(&"[host start-up]"), "{names:?}");
     }
 }

@@ -32,7 +32,7 @@ mod tests {
     }
 
     fn managed(name: &str) -> Frame {
-        Frame { name: name.to_string(), module: String::new(), kind: FrameKind::Managed }
+        Frame::new(name, "", FrameKind::Managed)
     }
 
     #[test]

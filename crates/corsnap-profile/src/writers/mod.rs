@@ -6,6 +6,7 @@ mod pprof;
 pub use pprof::{decode_pprof, PprofSummary};
 mod speedscope;
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::str::FromStr;
@@ -87,6 +88,9 @@ pub struct WriteOptions {
     pub title: String,
     /// Flame graphs drawn from the top down (icicle), roots at the top.
     pub inverted: bool,
+    /// Frame names as the runtime gave them (`Shop.Orders+<HandleAsync>d__4.MoveNext`),
+    /// not their readable form (`Shop.Orders.HandleAsync [async]`).
+    pub raw_names: bool,
 }
 
 impl WriteOptions {
@@ -122,6 +126,17 @@ pub fn writer_for(format: Format) -> Box<dyn ProfileWriter> {
     }
 }
 
+/// Every frame's name as the output shows it, by [`crate::FrameIdx`]: its
+/// readable form ([`crate::Frame::display_name`]), or the raw name with
+/// [`WriteOptions::raw_names`].
+pub(crate) fn frame_names<'a>(profile: &'a Profile, options: &WriteOptions) -> Vec<Cow<'a, str>> {
+    profile
+        .frames
+        .iter()
+        .map(|frame| if options.raw_names { Cow::Borrowed(frame.name.as_str()) } else { frame.display_name() })
+        .collect()
+}
+
 /// The profile folded to one entry per distinct stack, root first, frames
 /// joined by `;` (thread label first with `options.threads`), with the summed
 /// weight. Sorted by stack so every run of the same profile prints the same.
@@ -138,6 +153,7 @@ pub(crate) fn collapsed_stacks(profile: &Profile, options: &WriteOptions) -> BTr
         *sum = sum.saturating_add(sample.weight);
     }
 
+    let names = frame_names(profile, options);
     let mut folded = BTreeMap::new();
     let mut line = String::new();
     for ((thread, stack), weight) in weight_by_stack {
@@ -145,8 +161,8 @@ pub(crate) fn collapsed_stacks(profile: &Profile, options: &WriteOptions) -> BTr
         if let Some(thread) = thread {
             push_collapsed_frame(&mut line, &profile.thread_label(thread));
         }
-        for name in profile.stack_names_root_first(stack) {
-            push_collapsed_frame(&mut line, name);
+        for &frame in profile.stacks[stack as usize].iter().rev() {
+            push_collapsed_frame(&mut line, &names[frame as usize]);
         }
         if line.is_empty() {
             line.push_str(EMPTY_STACK_FRAME);

@@ -8,7 +8,12 @@
 //! thread's [`Thread::label`](crate::Thread::label), so `pprof -tagroot=thread`
 //! or `-tagfocus` split by thread; with [`WriteOptions::threads`] the label is
 //! also the root frame of every stack, as in the other formats.
+//!
+//! Each function is named as the other formats name its frame (readably,
+//! unless [`WriteOptions::raw_names`]); its `system_name` is always the name
+//! the runtime gave (`Shop.Orders+<HandleAsync>d__4.MoveNext`).
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, Write};
 
@@ -104,20 +109,29 @@ struct Sites {
 }
 
 impl Sites {
-    fn id(&mut self, site: Site, profile: &Profile, strings: &mut Strings) -> u64 {
+    /// `names`: each frame's name as shown ([`super::frame_names`]); the
+    /// function's `system_name` is always the runtime's.
+    fn id(&mut self, site: Site, profile: &Profile, names: &[Cow<'_, str>], strings: &mut Strings) -> u64 {
         if let Some(&id) = self.ids.get(&site) {
             return id;
         }
         let id = self.functions.len() as u64 + 1;
-        let (name, module) = match site {
-            Site::Frame(frame) => {
-                let frame = &profile.frames[frame as usize];
-                (strings.intern(&frame.name), strings.intern(&frame.module))
+        let (name, system_name, module) = match site {
+            Site::Frame(idx) => {
+                let frame = &profile.frames[idx as usize];
+                let name = strings.intern(&names[idx as usize]);
+                (name, strings.intern(&frame.name), strings.intern(&frame.module))
             }
-            Site::NoFrames => (strings.intern(EMPTY_STACK_FRAME), 0),
-            Site::Thread(thread) => (strings.intern(&profile.thread_label(thread)), 0),
+            Site::NoFrames => {
+                let name = strings.intern(EMPTY_STACK_FRAME);
+                (name, name, 0)
+            }
+            Site::Thread(thread) => {
+                let name = strings.intern(&profile.thread_label(thread));
+                (name, name, 0)
+            }
         };
-        self.functions.push(proto::Function { id, name, system_name: name, filename: module, start_line: 0 });
+        self.functions.push(proto::Function { id, name, system_name, filename: module, start_line: 0 });
         self.locations.push(proto::Location {
             id,
             mapping_id: MAPPING_ID,
@@ -148,17 +162,18 @@ fn build(profile: &Profile, options: &WriteOptions) -> proto::Profile {
 
     let thread_key = strings.intern("thread");
     let mut thread_labels: HashMap<ThreadIdx, i64> = HashMap::new();
+    let names = super::frame_names(profile, options);
     let mut sites = Sites { ids: HashMap::new(), functions: Vec::new(), locations: Vec::new() };
     let mut samples = Vec::with_capacity(merged.len());
     for ((stack, thread, kind), weight) in merged {
         let frames = &profile.stacks[stack as usize];
         // Leaf first, as pprof wants location_id and as stacks are stored.
         let mut location_id: Vec<u64> =
-            frames.iter().map(|&frame| sites.id(Site::Frame(frame), profile, &mut strings)).collect();
+            frames.iter().map(|&frame| sites.id(Site::Frame(frame), profile, &names, &mut strings)).collect();
         if options.threads {
-            location_id.push(sites.id(Site::Thread(thread), profile, &mut strings));
+            location_id.push(sites.id(Site::Thread(thread), profile, &names, &mut strings));
         } else if frames.is_empty() {
-            location_id.push(sites.id(Site::NoFrames, profile, &mut strings));
+            location_id.push(sites.id(Site::NoFrames, profile, &names, &mut strings));
         }
 
         let mut value = vec![0; kinds.len()];
@@ -240,6 +255,8 @@ pub struct PprofSummary {
     /// Every sample's values, one per sample type.
     pub values: Vec<Vec<i64>>,
     pub function_names: Vec<String>,
+    /// Each function's `system_name`: the name as the runtime gave it.
+    pub system_names: Vec<String>,
 }
 
 impl PprofSummary {
@@ -261,6 +278,7 @@ pub fn decode_pprof(gzipped: &[u8]) -> io::Result<PprofSummary> {
         sample_types: profile.sample_type.iter().map(|t| (string(t.r#type), string(t.unit))).collect(),
         values: profile.sample.iter().map(|s| s.value.clone()).collect(),
         function_names: profile.function.iter().map(|f| string(f.name)).collect(),
+        system_names: profile.function.iter().map(|f| string(f.system_name)).collect(),
     })
 }
 
@@ -274,7 +292,7 @@ mod tests {
     use crate::{Frame, FrameKind, Meta, Sample, Thread};
 
     fn frame(name: &str, module: &str) -> Frame {
-        Frame { name: name.to_string(), module: module.to_string(), kind: FrameKind::Managed }
+        Frame::new(name, module, FrameKind::Managed)
     }
 
     /// Two threads, cpu and alloc samples, a stack repeated on one thread
@@ -291,11 +309,7 @@ mod tests {
         let main = profile.intern_frame(frame("Shop.Program.Main", "Shop.dll"));
         let post = profile.intern_frame(frame("Shop.Billing.Ledger<TKey>.Post", "Shop.dll"));
         let wait = profile.intern_frame(frame("System.Threading.Monitor.Wait", "System.Private.CoreLib.dll"));
-        let string = profile.intern_frame(Frame {
-            name: "System.String".to_string(),
-            module: String::new(),
-            kind: FrameKind::Subject,
-        });
+        let string = profile.intern_frame(Frame::new("System.String", "", FrameKind::Subject));
         let post_in_main = profile.intern_stack(&[post, main]);
         let wait_in_main = profile.intern_stack(&[wait, main]);
         let string_in_post = profile.intern_stack(&[string, post, main]);
@@ -431,6 +445,23 @@ mod tests {
             assert_eq!(names.last().map(String::as_str), Some(thread_label(&decoded, sample)));
             assert!(!names.iter().any(|name| name == EMPTY_STACK_FRAME));
         }
+    }
+
+    #[test]
+    fn functions_are_named_readably_with_the_runtimes_name_as_system_name() {
+        let mut profile = Profile::new(Meta::default());
+        let lambda = profile.intern_frame(frame("Shop.Program+<>c.<Main>b__0_1", "Shop.dll"));
+        let main = profile.intern_frame(frame("Shop.Program.Main", "Shop.dll"));
+        let stack = profile.intern_stack(&[lambda, main]);
+        let thread = profile.intern_thread(Thread { os_tid: 1, name: String::new() });
+        profile.samples.push(Sample { time_ns: 0, thread, stack, weight: 1, kind: EventKind::Cpu });
+
+        let summary = decode_pprof(&write(&profile, &WriteOptions::default())).unwrap();
+        assert_eq!(summary.function_names, ["Shop.Program.Main.lambda#1", "Shop.Program.Main"]);
+        assert_eq!(summary.system_names, ["Shop.Program+<>c.<Main>b__0_1", "Shop.Program.Main"]);
+        let raw = WriteOptions { raw_names: true, ..WriteOptions::default() };
+        let summary = decode_pprof(&write(&profile, &raw)).unwrap();
+        assert_eq!(summary.function_names, summary.system_names);
     }
 
     #[test]

@@ -17,7 +17,7 @@ pub(crate) struct SpeedscopeWriter;
 impl ProfileWriter for SpeedscopeWriter {
     /// `options.threads` is not needed here: every thread is its own profile.
     fn write(&self, profile: &Profile, options: &WriteOptions, out: &mut dyn Write) -> io::Result<()> {
-        let document = speedscope_document(profile, &options.title_for(&profile.meta));
+        let document = speedscope_document(profile, options);
         let mut out = BufWriter::new(out);
         serde_json::to_writer(&mut out, &document)?;
         writeln!(out)?;
@@ -29,7 +29,8 @@ impl ProfileWriter for SpeedscopeWriter {
 // unless some crate in the build turns on its `preserve_order` feature, in
 // which case it keeps insertion order; sorted insertion makes both the same,
 // so the bytes written never depend on what else is compiled in.
-fn speedscope_document(profile: &Profile, title: &str) -> Value {
+fn speedscope_document(profile: &Profile, options: &WriteOptions) -> Value {
+    let title = options.title_for(&profile.meta);
     // speedscope's units: time in nanoseconds, allocations in bytes, and
     // plain counts for the rest.
     let unit = match super::single_kind(profile) {
@@ -77,7 +78,7 @@ fn speedscope_document(profile: &Profile, title: &str) -> Value {
     document.insert("exporter".into(), json!(concat!("corsnap ", env!("CARGO_PKG_VERSION"))));
     document.insert("name".into(), json!(title));
     document.insert("profiles".into(), Value::Array(profiles));
-    document.insert("shared".into(), json!({ "frames": shared_frames.into_json(profile) }));
+    document.insert("shared".into(), json!({ "frames": shared_frames.into_json(profile, options) }));
     Value::Object(document)
 }
 
@@ -114,16 +115,25 @@ impl SharedFrames {
         })
     }
 
-    fn into_json(self, profile: &Profile) -> Vec<Value> {
+    /// Each frame as `{"file", "name"}`, and, when the name shown is not
+    /// the runtime's, that one as `rawName` (speedscope shows only `name`
+    /// and `file`, and keeps other keys out of its way).
+    fn into_json(self, profile: &Profile, options: &WriteOptions) -> Vec<Value> {
+        let names = super::frame_names(profile, options);
         self.frames_in_order
             .into_iter()
-            .map(|frame| {
-                let frame = &profile.frames[frame as usize];
-                if frame.module.is_empty() {
-                    json!({ "name": frame.name })
-                } else {
-                    json!({ "file": frame.module, "name": frame.name })
+            .map(|idx| {
+                let frame = &profile.frames[idx as usize];
+                let name = &names[idx as usize];
+                let mut object = Map::new();
+                if !frame.module.is_empty() {
+                    object.insert("file".into(), json!(frame.module));
                 }
+                object.insert("name".into(), json!(name));
+                if *name != frame.name {
+                    object.insert("rawName".into(), json!(frame.name));
+                }
+                Value::Object(object)
             })
             .collect()
     }
