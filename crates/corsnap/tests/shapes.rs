@@ -118,6 +118,20 @@ fn self_contained_app() {
     let (stacks, output) = record_app("self-contained", &[os(&app.exe), "2".as_ref()], &[], 0);
     assert_complete(&stacks, "Shapes.Hot", &CHAIN, "self-contained");
     assert!(String::from_utf8_lossy(&output.stdout).contains("done "));
+    // Its runtime is named by version, not by the app's folder.
+    let mut cmd = Command::new(&app.exe);
+    cmd.args(["serve", "60"]);
+    let mut service = Service::start_command(cmd);
+    service.wait_heartbeats(1);
+    let output = Command::new(corsnap_bin()).args(["dump", "--pid", &service.pid.to_string()]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}\n{}", String::from_utf8_lossy(&output.stderr), service.describe());
+    assert!(
+        stdout.lines().next().is_some_and(|l| l.ends_with("(.NET 10.0.12)") || l.contains("(.NET 10.")),
+        "{stdout}"
+    );
+    assert!(stdout.contains("Shapes.Main"), "{stdout}");
+    service.wait_agent_gone();
 }
 
 #[test]
