@@ -126,10 +126,7 @@ fn self_contained_app() {
     let output = Command::new(corsnap_bin()).args(["dump", "--pid", &service.pid.to_string()]).output().unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{}\n{}", String::from_utf8_lossy(&output.stderr), service.describe());
-    assert!(
-        stdout.lines().next().is_some_and(|l| l.ends_with("(.NET 10.0.12)") || l.contains("(.NET 10.")),
-        "{stdout}"
-    );
+    assert!(stdout.lines().next().is_some_and(|l| l.contains("(.NET 10.")), "{stdout}");
     assert!(stdout.contains("Shapes.Main"), "{stdout}");
     service.wait_agent_gone();
 }
