@@ -503,8 +503,15 @@ pub fn published(program: &str, shape: Shape) -> Published {
         source.display()
     );
     let dotnet = Runtime::Net10.dotnet();
+    // The SDKs and runtimes installed beside it: an update publishes anew.
+    let mut installed: Vec<String> = ["sdk", "shared/Microsoft.NETCore.App"]
+        .iter()
+        .flat_map(|d| std::fs::read_dir(dotnet.parent().unwrap().join(d)).into_iter().flatten())
+        .filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().into_owned()))
+        .collect();
+    installed.sort();
     let stamp_text = format!(
-        "{project}\n{}\n{}\n",
+        "{project}\n{}\n{} {installed:?}\n",
         std::fs::read_to_string(&source).unwrap_or_else(|e| panic!("{}: {e}", source.display())),
         dotnet.display()
     );
