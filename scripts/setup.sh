@@ -7,7 +7,8 @@
 #     roots under the cache: <cache>/dotnet-<version>/dotnet
 #   - the reference packs that Roslyn compiles the test programs against
 #   - Debian's tmux (the tests drive `corsnap top` in a pane) and wrk
-#     (ASP.NET Core under load)
+#     (ASP.NET Core under load), and gcc unless clang is there (the native
+#     AOT shape test links with one; zlib comes in its runtime pack)
 # and writes ${CORSNAP_DEPS}/env.sh exporting CORSNAP_DOTNET10/9/8/31,
 # CORSNAP_REF10/9/8/31 (the assemblies to compile against) and CORSNAP_CSC.
 #
@@ -69,6 +70,7 @@ apt_install() {   # apt_install COMMAND PACKAGE
 }
 apt_install tmux tmux
 apt_install wrk wrk
+command -v clang >/dev/null 2>&1 || apt_install gcc gcc
 
 # ---- .NET 10: the SDK ------------------------------------------------------
 sdk_dotnet="$(command -v dotnet 2>/dev/null || true)"

@@ -585,6 +585,13 @@ fn no_socket_error(
              restart it without that setting"
         );
     }
+    if crate::native_aot::process_is_native_aot(pid) {
+        return anyhow!(
+            "process {pid} is a native AOT program: it has no .NET runtime to attach to (corsnap profiles \
+             programs that run on CoreCLR: `dotnet app.dll`, or an app's own executable, self-contained or \
+             single-file)"
+        );
+    }
     let runs_dotnet = fs::read(proc_dir.join("maps"))
         .map(|maps| maps.windows(b"libcoreclr.so".len()).any(|w| w == b"libcoreclr.so"))
         .ok();

@@ -1,10 +1,13 @@
 //! The parts of the `corsnap` command line that are worth reaching from
-//! outside the binary: today the client for the .NET runtime's diagnostics
-//! IPC, whose response decoder reads bytes another process sends and is
+//! outside the binary: the client for the .NET runtime's diagnostics IPC,
+//! whose response decoder reads bytes another process sends and is
 //! therefore fuzzed (`fuzz/fuzz_targets/diagnostics_response.rs`) and
-//! replayed by `tests/fuzz_corpus.rs`. The binary (`src/main.rs`) uses this
-//! library for it; everything else of the binary stays in the binary.
+//! replayed by `tests/fuzz_corpus.rs`, and the check for native AOT
+//! programs, which the diagnostics client and `record` share. The binary
+//! (`src/main.rs`) uses this library for them; everything else of the
+//! binary stays in the binary.
 
 #![forbid(unsafe_code)]
 
 pub mod diagnostics;
+pub mod native_aot;

@@ -176,6 +176,13 @@ impl StopSignals {
 
 pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     let invoked = Instant::now();
+    if let Target::Launch(program) = &options.target {
+        if let Some(first) = program.first() {
+            if corsnap::native_aot::program_file(first).is_some_and(|f| corsnap::native_aot::is_native_aot(&f)) {
+                return run_native_aot(program);
+            }
+        }
+    }
     let agent = find_agent(options.agent_path.as_deref())?;
     let name = match &options.target {
         Target::Launch(program) => {
@@ -203,7 +210,9 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
             Ok(launched) => launched,
             Err(e) => {
                 if let Some(early) = e.downcast_ref::<ProgramEndedEarly>() {
-                    eprintln!("corsnap: error: {early}");
+                    if !early.reported {
+                        eprintln!("corsnap: error: {early}");
+                    }
                     outputs.remove_all();
                     return Ok(ProgramExit(early.code).into_exit_code());
                 }
@@ -406,6 +415,17 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     }
 }
 
+/// A native AOT program has no CLR to load the agent: corsnap says so and
+/// becomes the program (`exec`), so its stdio, signals and exit code are
+/// its own, and nothing is written.
+fn run_native_aot(program: &[OsString]) -> Result<ExitCode> {
+    use std::os::unix::process::CommandExt;
+    let first = &program[0];
+    eprintln!("corsnap: {}; running it without profiling", corsnap::native_aot::message(&first.to_string_lossy()));
+    let e = Command::new(first).args(&program[1..]).exec();
+    Err(e).with_context(|| format!("cannot run {}", first.to_string_lossy()))
+}
+
 /// Starts `program` with the agent loaded at start-up and waits for it to
 /// connect.
 fn launch(
@@ -459,6 +479,11 @@ pub(crate) fn launch_with_output(
     let mut last_look = started;
     let mut warned = false;
     let name = first.to_string_lossy().into_owned();
+    // The executable the process runs, and whether it is native AOT: a
+    // wrapper (a shell script) may exec one.
+    let mut exe: Option<PathBuf> = None;
+    let mut native_aot = false;
+    let mut reported = false;
     let connection = listener.accept_from(pid, || {
         if interrupted.stopped() {
             return Some("interrupted before the program loaded the agent".to_string());
@@ -468,12 +493,30 @@ pub(crate) fn launch_with_output(
         if !runtime_seen && last_look.elapsed() >= Duration::from_millis(50) {
             last_look = Instant::now();
             runtime_seen = runtime_started(pid);
+            let now = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
+            if !runtime_seen && now.is_some() && now != exe {
+                native_aot = corsnap::native_aot::process_is_native_aot(pid);
+                exe = now;
+                if native_aot && !reported {
+                    reported = true;
+                    warned = true;
+                    let shown = exe.as_deref().map_or(name.clone(), |e| e.display().to_string());
+                    eprintln!("corsnap: {}; it runs on without profiling", corsnap::native_aot::message(&shown));
+                }
+            }
         }
         match child.try_wait() {
             Ok(Some(status)) => {
                 exited = Some(status);
                 runtime_seen |= runtime_started(pid);
-                Some(if runtime_seen {
+                Some(if native_aot && !runtime_seen {
+                    let shown = exe.as_deref().map_or(name.clone(), |e| e.display().to_string());
+                    format!(
+                        "{} ({}): nothing was recorded",
+                        corsnap::native_aot::message(&shown),
+                        describe_status(status)
+                    )
+                } else if runtime_seen {
                     format!(
                         "{name} started the .NET runtime but exited ({}) before loading the corsnap agent: profiling \
                          may be switched off in its environment (CORECLR_ENABLE_PROFILING=0), the runtime may be older \
@@ -509,7 +552,12 @@ pub(crate) fn launch_with_output(
         Ok(c) => Ok((Process::Child { child, exited: None }, c, command_line)),
         Err(e) => match exited {
             // The program ran, and its exit code is the user's: pass it on.
-            Some(status) => Err(ProgramEndedEarly { message: format!("{e:#}"), code: exit_code_of(status) }.into()),
+            Some(status) => Err(ProgramEndedEarly {
+                message: format!("{e:#}"),
+                code: exit_code_of(status),
+                reported: reported && native_aot,
+            }
+            .into()),
             None => {
                 let _ = child.kill();
                 let _ = child.wait();
@@ -525,6 +573,9 @@ pub(crate) fn launch_with_output(
 pub struct ProgramEndedEarly {
     pub message: String,
     pub code: i32,
+    /// Already said while it ran (a native AOT program): `record` need not
+    /// say it again.
+    pub reported: bool,
 }
 
 impl std::fmt::Display for ProgramEndedEarly {

@@ -411,6 +411,16 @@ impl Drop for TerminalGuard {
 }
 
 pub fn run(options: &TopOptions) -> Result<ExitCode> {
+    if let Target::Launch(program) = &options.target {
+        if let Some(first) = program.first() {
+            if corsnap::native_aot::program_file(first).is_some_and(|f| corsnap::native_aot::is_native_aot(&f)) {
+                anyhow::bail!(
+                    "{}: corsnap top has nothing to show (run it without corsnap)",
+                    corsnap::native_aot::message(&first.to_string_lossy())
+                );
+            }
+        }
+    }
     let agent = crate::record::find_agent(options.agent_path.as_deref())?;
     if let Target::Attach(pid) = options.target {
         crate::diagnostics::find_socket(pid)?;

@@ -245,10 +245,17 @@ impl Service {
         let dll = compiled(program, runtime);
         let mut cmd = Command::new(runtime.dotnet());
         cmd.env("DOTNET_SYSTEM_GLOBALIZATION_INVARIANT", "1");
-        cmd.arg(&dll).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null());
+        cmd.arg(&dll).args(args);
         for (k, v) in env {
             cmd.env(k, v);
         }
+        Service::start_command(cmd)
+    }
+
+    /// Any command that keeps the handshake (`ready <pid>`, then
+    /// `heartbeat` lines): a published app's own executable, for one.
+    pub fn start_command(mut cmd: Command) -> Service {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null());
         let mut child = cmd.spawn().unwrap();
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         // Readiness handshake: the service prints its pid once it runs.
@@ -404,4 +411,158 @@ pub fn wait_for(limit: Duration, mut condition: impl FnMut() -> bool) -> Option<
         std::thread::sleep(Duration::from_millis(20));
     }
     None
+}
+
+/// How `dotnet publish` makes an app of a test program (`published`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Shape {
+    /// `app.dll` on the installed runtime (`dotnet app.dll`, or the apphost `app`).
+    FrameworkDependent,
+    /// `app` with its own copy of the runtime beside it.
+    SelfContained,
+    /// One executable with the runtime linked in and the assemblies bundled.
+    SingleFile,
+    /// Framework-dependent, with the program's own code compiled ahead of
+    /// time into its assembly (crossgen2), as the framework's is.
+    ReadyToRun,
+    /// Compiled to machine code with its own small runtime: no CLR at all.
+    NativeAot,
+}
+
+impl Shape {
+    fn name(self) -> &'static str {
+        match self {
+            Shape::FrameworkDependent => "framework-dependent",
+            Shape::SelfContained => "self-contained",
+            Shape::SingleFile => "single-file",
+            Shape::ReadyToRun => "ready-to-run",
+            Shape::NativeAot => "native-aot",
+        }
+    }
+
+    fn properties(self) -> &'static str {
+        match self {
+            Shape::FrameworkDependent => "<SelfContained>false</SelfContained>",
+            Shape::SelfContained => "<SelfContained>true</SelfContained>",
+            Shape::SingleFile => "<SelfContained>true</SelfContained><PublishSingleFile>true</PublishSingleFile>",
+            Shape::ReadyToRun => "<SelfContained>false</SelfContained><PublishReadyToRun>true</PublishReadyToRun>",
+            Shape::NativeAot => "<PublishAot>true</PublishAot>",
+        }
+    }
+}
+
+/// A test program published by `dotnet publish`.
+#[derive(Debug, Clone)]
+pub struct Published {
+    /// The publish folder.
+    pub dir: PathBuf,
+    /// The app's own executable (the apphost, or the whole app).
+    pub exe: PathBuf,
+    /// `<program>.dll`, for `dotnet <program>.dll` (framework-dependent shapes).
+    pub dll: PathBuf,
+}
+
+/// Publishes `tests/programs/<program>.cs` as `shape` for .NET 10, linux-x64,
+/// into `target/e2e-apps/<program>-<shape>/out`, from a project generated
+/// beside it. Once per test run at most, and not at all while the project,
+/// the source and the SDK are what the last publish used. Publishes never
+/// run two at a time.
+pub fn published(program: &str, shape: Shape) -> Published {
+    static PUBLISHED: OnceLock<Mutex<HashMap<(String, Shape), Published>>> = OnceLock::new();
+    let published = PUBLISHED.get_or_init(|| Mutex::new(HashMap::new()));
+    let mut published = published.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(p) = published.get(&(program.to_string(), shape)) {
+        return p.clone();
+    }
+    let root = repo_root();
+    let source = root.join("tests/programs").join(format!("{program}.cs"));
+    let base = root.join("target/e2e-apps").join(format!("{program}-{}", shape.name()));
+    let project_dir = base.join("project");
+    let out = base.join("out");
+    let project = format!(
+        r#"<Project Sdk="Microsoft.NET.Sdk">
+  <PropertyGroup>
+    <OutputType>Exe</OutputType>
+    <TargetFramework>net10.0</TargetFramework>
+    <RuntimeIdentifier>linux-x64</RuntimeIdentifier>
+    <AssemblyName>{program}</AssemblyName>
+    <UseAppHost>true</UseAppHost>
+    <InvariantGlobalization>true</InvariantGlobalization>
+    <SatelliteResourceLanguages>en</SatelliteResourceLanguages>
+    <Nullable>disable</Nullable>
+    <ImplicitUsings>disable</ImplicitUsings>
+    <EnableDefaultCompileItems>false</EnableDefaultCompileItems>
+    {}
+  </PropertyGroup>
+  <ItemGroup>
+    <Compile Include="{}" />
+  </ItemGroup>
+</Project>
+"#,
+        shape.properties(),
+        source.display()
+    );
+    let dotnet = Runtime::Net10.dotnet();
+    // The SDKs and runtimes installed beside it: an update publishes anew.
+    let mut installed: Vec<String> = ["sdk", "shared/Microsoft.NETCore.App"]
+        .iter()
+        .flat_map(|d| std::fs::read_dir(dotnet.parent().unwrap().join(d)).into_iter().flatten())
+        .filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().into_owned()))
+        .collect();
+    installed.sort();
+    let stamp_text = format!(
+        "{project}\n{}\n{} {installed:?}\n",
+        std::fs::read_to_string(&source).unwrap_or_else(|e| panic!("{}: {e}", source.display())),
+        dotnet.display()
+    );
+    let stamp = base.join("stamp");
+    let app = Published { exe: out.join(program), dll: out.join(format!("{program}.dll")), dir: out.clone() };
+    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(stamp_text.as_str()) && app.exe.is_file() {
+        published.insert((program.to_string(), shape), app.clone());
+        return app;
+    }
+    let _ = std::fs::remove_file(&stamp);
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&project_dir).unwrap();
+    let csproj = project_dir.join(format!("{program}.csproj"));
+    std::fs::write(&csproj, &project).unwrap();
+    let started = Instant::now();
+    let output = Command::new(&dotnet)
+        .arg("publish")
+        .arg(&csproj)
+        .args(["-c", "Release", "-nologo", "-nodeReuse:false", "-p:UseSharedCompilation=false", "-o"])
+        .arg(&out)
+        .env("DOTNET_CLI_TELEMETRY_OPTOUT", "1")
+        .env("DOTNET_NOLOGO", "1")
+        .env("DOTNET_SKIP_FIRST_TIME_EXPERIENCE", "1")
+        .env("DOTNET_CLI_USE_MSBUILD_SERVER", "0")
+        .env("MSBUILDDISABLENODEREUSE", "1")
+        .stdin(Stdio::null())
+        .output()
+        .expect("running dotnet publish");
+    assert!(
+        output.status.success(),
+        "dotnet publish of {program} as {} failed ({}):\n{}{}",
+        shape.name(),
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(app.exe.is_file(), "dotnet publish made no {}", app.exe.display());
+    eprintln!("published {program} as {} in {:.1} s", shape.name(), started.elapsed().as_secs_f64());
+    std::fs::write(&stamp, stamp_text).unwrap();
+    published.insert((program.to_string(), shape), app.clone());
+    app
+}
+
+/// `corsnap record` with `args` (before `--`) around any `command` (a
+/// published app's own executable, say), with extra environment variables
+/// for corsnap and the program.
+pub fn record_command(command: &[&std::ffi::OsStr], args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(corsnap_bin());
+    cmd.arg("record").args(args).arg("--").args(command);
+    cmd.env("DOTNET_SYSTEM_GLOBALIZATION_INVARIANT", "1");
+    cmd.envs(env.iter().copied());
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd.output().expect("running corsnap")
 }
