@@ -246,6 +246,14 @@ impl Ring {
         // lets it be walked again: its callers beyond that code were guessed.
         // Without room for the copy, the sample keeps the frames up to the
         // unknown one and is marked lost (shown as an incomplete stack).
+        // The deep copy when it fits with room to spare for the samples
+        // that follow before the next drain, else the one to the splice.
+        let copy = copy.map(|mut c| {
+            if free < base + COPY_HEAD + c.words + RING_WORDS / 4 {
+                c.words = c.words.min(c.min_words);
+            }
+            c
+        });
         let (frames, copy) = match copy {
             Some(c) if free < base + COPY_HEAD + c.words => {
                 let keep = c.known_frames.min(frames.len());
@@ -285,8 +293,11 @@ impl Ring {
 /// What a sample that met unknown code keeps of its stack.
 struct StackToCopy<'a> {
     regs: Regs,
-    /// Stack words to copy, from `regs.sp` up.
+    /// Stack words to copy, from `regs.sp` up: as deep as the walk went.
     words: usize,
+    /// Enough words to reach a little past the splice frame: what is copied
+    /// when the ring is short of room for `words`.
+    min_words: usize,
     memory: &'a LiveMemory<'a>,
     /// A hijacked return address to put back in the copy: (slot, original).
     undone_hijack: Option<(u64, u64)>,
@@ -661,16 +672,26 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
     // (a program starting up under CPU contention); if the guesses that led
     // to the splice frame were wrong, the new walk does not arrive there and
     // the sample ends incomplete rather than wrong.
-    let copy_words = if let Some((_, at)) = walk.splice {
-        (((at.sp.saturating_sub(regs.sp)) / 8) as usize + SPLICE_SLACK_WORDS).min(stack_words)
-    } else if walk.flags & corsnap_unwind::flags::COMPLETE != 0 {
+    //
+    // But the guesses are wrong whenever the code not known yet sits on a
+    // frame pointer that is not its caller's (an OSR body's points into the
+    // Tier0 frame beneath it): the new walk then runs off the end of a short
+    // copy. So the copy goes as deep as the walk went when the ring has room
+    // for it, and only to the splice frame when it has not.
+    let deep_words = if walk.flags & corsnap_unwind::flags::COMPLETE != 0 {
         (((walk.sp.saturating_sub(regs.sp)) / 8) as usize + 64).min(stack_words)
     } else {
         stack_words
     };
+    let splice_words = walk
+        .splice
+        .map(|(_, at)| (((at.sp.saturating_sub(regs.sp)) / 8) as usize + SPLICE_SLACK_WORDS).min(stack_words));
+    let copy_words = deep_words;
+    let min_copy_words = splice_words.unwrap_or(deep_words).min(deep_words);
     let copy = (walk.flags & corsnap_unwind::flags::UNKNOWN_CODE != 0).then_some(StackToCopy {
         regs,
         words: copy_words,
+        min_words: min_copy_words,
         memory: &memory,
         undone_hijack: walk.undone_hijack,
         known_frames: walk.known_frames,
