@@ -182,7 +182,9 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
             format!("{}-pid{pid}", program_name(command.split(' ').map(str::to_string)))
         }
     };
-    let output_path = options.output.clone().unwrap_or_else(|| default_output_name(&name, options.format));
+    let output_path = crate::output::output_path(options.output.as_deref(), || {
+        default_output_name(&name, options.format).to_string_lossy().into_owned()
+    })?;
     if let Target::Attach(pid) = options.target {
         // Find the diagnostics socket before creating anything: a wrong pid
         // should cost nothing.
@@ -231,6 +233,9 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     };
     let mut status = StatusLine::new();
     let mut agent_failed: Option<String> = None;
+    // Events the agent said it cannot record here (`--event alloc` on .NET
+    // Core 3.1): they get no file.
+    let mut refused: Vec<EventKind> = Vec::new();
     let mut on_message = |msg: &Message, builder: &mut ProfileBuilder, status: &mut StatusLine| {
         if let Some(raw) = raw.as_mut() {
             raw.record(msg);
@@ -243,7 +248,12 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                     eprintln!("corsnap: error: {text}");
                     agent_failed = Some(text);
                 }
-                Severity::Warning => eprintln!("corsnap: warning: {text}"),
+                Severity::Warning => {
+                    if let Some(kind) = refused_event(&text) {
+                        refused.push(kind);
+                    }
+                    eprintln!("corsnap: warning: {text}")
+                }
                 Severity::Info => eprintln!("corsnap: {text}"),
             }
         }
@@ -343,16 +353,29 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
         });
     }
 
+    if !options.events.is_empty() && options.events.iter().all(|k| refused.contains(k)) {
+        // The agent has said why (one warning); an empty file would only
+        // hide it.
+        outputs.remove_all();
+        eprintln!("corsnap: no profile written: nothing that was asked for can be recorded in this runtime");
+        return Ok(match &mut process {
+            Process::Child { child, exited } => wait_for(child, *exited).max_failure(),
+            Process::Attached { .. } => ExitCode::from(2),
+        });
+    }
     let samples = builder.sample_count();
     let threads = builder.thread_count();
     let agent_stats = builder.stats();
-    let paths = outputs.paths();
+    let paths = outputs.kept(&refused);
+    let skipped = outputs.skipped(&refused);
     let profile = builder.finish();
     match raw {
         Some(raw) => raw.finish(outputs.into_single())?,
-        None => outputs.write(&profile, &options.write_options())?,
+        None => outputs.write(&profile, &options.write_options(), &refused)?,
     }
-    let paths: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+    if !skipped.is_empty() {
+        eprintln!("corsnap: not written (nothing could be recorded for it): {}", skipped.join(", "));
+    }
     eprintln!(
         "corsnap: wrote {} ({} from {}; recording ended: {stop_reason})",
         paths.join(", "),
@@ -528,6 +551,14 @@ impl std::fmt::Display for ProgramEndedEarly {
 }
 
 impl std::error::Error for ProgramEndedEarly {}
+
+/// The event a notice of the agent says it cannot record (it starts
+/// `--event alloc needs ...`), if any.
+fn refused_event(notice: &str) -> Option<EventKind> {
+    let rest = notice.strip_prefix("--event ")?;
+    let word = rest.split(' ').next()?;
+    EventKind::ALL.into_iter().find(|k| k.name() == word)
+}
 
 /// Whether process `pid` has started the .NET runtime.
 fn runtime_started(pid: u32) -> bool {
