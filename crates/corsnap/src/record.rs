@@ -127,6 +127,31 @@ impl Process {
         }
     }
 
+    /// Waits for a program corsnap started that is ending by itself: its
+    /// exit code. An attached process is left running.
+    pub(crate) fn wait(&mut self) -> ExitCode {
+        match self {
+            Process::Child { child, exited } => wait_for(child, *exited).into_exit_code(),
+            Process::Attached { .. } => ExitCode::SUCCESS,
+        }
+    }
+
+    /// How a process that has ended ended: "the program exited (exit code
+    /// 3)", "the program was killed by SIGKILL (signal 9)".
+    fn describe_end(&mut self) -> String {
+        match self {
+            Process::Child { exited: Some(status), .. } => {
+                use std::os::unix::process::ExitStatusExt;
+                match status.signal() {
+                    Some(signal) => format!("the program was killed by {}", signal_name(signal)),
+                    None => format!("the program exited ({})", describe_status(*status)),
+                }
+            }
+            Process::Child { .. } => "the program exited".to_string(),
+            Process::Attached { .. } => "the process exited".to_string(),
+        }
+    }
+
     /// Whether the process has ended (reaping a child that has).
     fn has_exited(&mut self) -> bool {
         match self {
@@ -271,6 +296,11 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                     on_message(&msg, &mut builder, &mut status);
                     if let Message::Goodbye { reason } = &msg {
                         agent_gone = true;
+                        // Ctrl-C reaches the program too, whose runtime then
+                        // shuts down and says goodbye: the user interrupted.
+                        if interrupted.stopped() {
+                            break interrupted.reason().0.to_string();
+                        }
                         break reason.clone();
                     }
                 }
@@ -285,14 +315,18 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                     // A program that exits closes the connection a moment
                     // before its exit is visible.
                     let closed = Instant::now();
-                    while e.is_none() && !process.has_exited() && closed.elapsed() < Duration::from_millis(500) {
+                    while e.is_none()
+                        && !process.has_exited()
+                        && !interrupted.stopped()
+                        && closed.elapsed() < Duration::from_secs(1)
+                    {
                         std::thread::sleep(Duration::from_millis(10));
                     }
                     if interrupted.stopped() {
                         break interrupted.reason().0.to_string();
                     }
                     break match e {
-                        None if process.has_exited() => "the program exited".to_string(),
+                        None if process.has_exited() => process.describe_end(),
                         None => "the agent closed the connection".to_string(),
                         Some(e) => format!("the connection to the agent failed: {e}"),
                     };
@@ -417,7 +451,14 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
             if exited.is_none() && !interrupted.stopped() && options.duration.is_some() {
                 eprintln!("corsnap: recording stopped; waiting for the program to exit");
             }
-            Ok(wait_for(child, *exited).into_exit_code())
+            let status = exited.or_else(|| child.wait().ok());
+            if let Some(signal) = status.and_then(|s| std::os::unix::process::ExitStatusExt::signal(&s)) {
+                // Unless the user stopped it (Ctrl-C, or a signal corsnap passed on).
+                if !interrupted.stopped() && !stop_reason.contains("killed by") {
+                    eprintln!("corsnap: the program was killed by {}", signal_name(signal));
+                }
+            }
+            Ok(wait_for(child, status).into_exit_code())
         }
         Process::Attached { .. } => Ok(ExitCode::SUCCESS),
     }
@@ -712,9 +753,36 @@ fn describe_status(status: ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
         (Some(code), _) => format!("exit code {code}"),
-        (None, Some(sig)) => format!("killed by signal {sig}"),
+        (None, Some(sig)) => format!("killed by {}", signal_name(sig)),
         _ => "unknown status".to_string(),
     }
+}
+
+/// `SIGKILL (signal 9)`.
+pub fn signal_name(signal: i32) -> String {
+    let name = match signal {
+        1 => "SIGHUP",
+        2 => "SIGINT",
+        3 => "SIGQUIT",
+        4 => "SIGILL",
+        5 => "SIGTRAP",
+        6 => "SIGABRT",
+        7 => "SIGBUS",
+        8 => "SIGFPE",
+        9 => "SIGKILL",
+        10 => "SIGUSR1",
+        11 => "SIGSEGV",
+        12 => "SIGUSR2",
+        13 => "SIGPIPE",
+        14 => "SIGALRM",
+        15 => "SIGTERM",
+        24 => "SIGXCPU",
+        25 => "SIGXFSZ",
+        27 => "SIGPROF",
+        31 => "SIGSYS",
+        _ => return format!("signal {signal}"),
+    };
+    format!("{name} (signal {signal})")
 }
 
 pub fn find_agent(explicit: Option<&Path>) -> Result<PathBuf> {
