@@ -70,7 +70,7 @@ fn top_shows_the_busy_method_live_sorts_filters_and_quits_leaving_the_process_as
         s.lines().skip_while(|l| !l.contains("Function")).nth(1).is_some_and(|first| first.contains("Service.Crunch"))
     });
     assert!(screen.contains(&format!("pid {}", service.pid)), "{screen}");
-    assert!(screen.contains("cpu ·") && screen.contains("sorted by own, last interval"), "{screen}");
+    assert!(screen.contains("event cpu: CPU time ·") && screen.contains("sorted by own, last interval"), "{screen}");
     // `s` sorts by the next column.
     pane.keys("s");
     pane.wait_for("the total sort", Duration::from_secs(5), |s| s.contains("sorted by total, last interval"));
