@@ -20,7 +20,7 @@ fn stderr(output: &Output) -> String {
 }
 
 fn split_args(seconds: &str) -> Vec<std::ffi::OsString> {
-    vec![Runtime::Net8.dotnet().into(), compiled("split", Runtime::Net8).into(), seconds.into()]
+    vec![Runtime::Net10.dotnet().into(), compiled("split", Runtime::Net10).into(), seconds.into()]
 }
 
 /// `corsnap record <args> -- dotnet split.dll <seconds>`, in its own process
@@ -57,7 +57,7 @@ fn a_device_and_a_fifo_are_written_in_place() {
     let dir = scratch("cli-device");
     let null = dir.join("null");
     assert!(Command::new("mknod").arg(&null).args(["c", "1", "3"]).status().unwrap().success());
-    let output = support::record(Runtime::Net8, "split", &["1"], &["-o", null.to_str().unwrap()], None);
+    let output = support::record(Runtime::Net10, "split", &["1"], &["-o", null.to_str().unwrap()], None);
     assert!(output.status.success(), "{}", stderr(&output));
     assert!(std::fs::metadata(&null).unwrap().file_type().is_char_device(), "the device was replaced");
 
@@ -76,7 +76,7 @@ fn a_device_and_a_fifo_are_written_in_place() {
     assert_eq!(left, ["null", "pipe"], "no temporary file beside them");
 
     // -o - is standard output.
-    let output = support::record(Runtime::Net8, "split", &["1"], &["-f", "collapsed", "-o", "-"], None);
+    let output = support::record(Runtime::Net10, "split", &["1"], &["-f", "collapsed", "-o", "-"], None);
     assert!(output.status.success(), "{}", stderr(&output));
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(stdout.contains(";Split.Heavy"), "{stdout}");
@@ -96,7 +96,7 @@ fn ctrl_c_says_interrupted_and_a_normal_exit_says_the_program_exited() {
     assert!(stderr(&output).contains("recording ended: interrupted)"), "{}", stderr(&output));
 
     for _ in 0..3 {
-        let output = support::record(Runtime::Net8, "split", &["0.3"], &["-o", out.to_str().unwrap()], None);
+        let output = support::record(Runtime::Net10, "split", &["0.3"], &["-o", out.to_str().unwrap()], None);
         let said = stderr(&output);
         assert!(output.status.success(), "{said}");
         assert!(!said.contains("the agent closed the connection"), "{said}");
@@ -210,11 +210,11 @@ struct Named {
 impl Named {
     fn start(dir: &Path, name: &str) -> Named {
         use std::io::BufRead;
-        let dll = compiled("service", Runtime::Net8);
+        let dll = compiled("service", Runtime::Net10);
         std::fs::copy(&dll, dir.join(format!("{name}.dll"))).unwrap();
         std::fs::copy(dll.with_extension("runtimeconfig.json"), dir.join(format!("{name}.runtimeconfig.json")))
             .unwrap();
-        let mut child = Command::new(Runtime::Net8.dotnet())
+        let mut child = Command::new(Runtime::Net10.dotnet())
             .arg(dir.join(format!("{name}.dll")))
             .arg("60")
             .env("DOTNET_SYSTEM_GLOBALIZATION_INVARIANT", "1")
@@ -255,7 +255,7 @@ fn ps_lists_dotnet_processes_and_name_finds_the_one_of_that_name() {
         .unwrap_or_else(|| panic!("pid {} missing:\n{table}", one.pid));
     let fields: Vec<&str> = row.split_whitespace().collect();
     assert_eq!(fields[1], name, "{row}");
-    assert!(fields[2].starts_with("8.0."), "the runtime version: {row}");
+    assert!(fields[2].starts_with("10.0."), "the runtime version: {row}");
     assert_eq!(fields[3], "root", "{row}");
     assert_eq!(fields[4], "yes", "{row}");
 

@@ -93,12 +93,12 @@ fn top_shows_the_busy_method_live_sorts_filters_and_quits_leaving_the_process_as
 #[test]
 fn a_launched_program_that_ends_leaves_its_last_table_on_the_terminal() {
     let dir = support::scratch("top-last-table");
-    let dll = support::compiled("split", support::Runtime::Net8);
+    let dll = support::compiled("split", support::Runtime::Net10);
     let command = format!(
         "cd {} && DOTNET_SYSTEM_GLOBALIZATION_INVARIANT=1 {} top --interval 0.5 -- {} {} 2; echo top-exit=$?; sleep 60",
         dir.display(),
         corsnap_bin().display(),
-        support::Runtime::Net8.dotnet().display(),
+        support::Runtime::Net10.dotnet().display(),
         dll.display()
     );
     let pane = Pane::start(&command);
