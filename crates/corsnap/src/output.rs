@@ -208,8 +208,15 @@ fn may_write(path: &Path) -> bool {
 /// is a regular file.
 fn names_an_open_file(path: &Path) -> bool {
     let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-    let resolved = std::fs::canonicalize(path).unwrap_or_else(|_| absolute.clone());
-    [absolute, resolved].iter().any(|p| p.starts_with("/proc") || p.starts_with("/dev"))
+    let kernel = |p: &Path| {
+        p.starts_with("/proc")
+            || p.starts_with("/dev/fd")
+            || p == Path::new("/dev/stdout")
+            || p == Path::new("/dev/stderr")
+    };
+    // `/dev/stdout` and the like are links into /proc; a file under
+    // /dev/shm is a file like any other.
+    kernel(&absolute) || std::fs::read_link(&absolute).is_ok_and(|target| kernel(&target))
 }
 
 impl OutputFile {
@@ -507,6 +514,15 @@ mod tests {
         assert_eq!(path_for_kind(Path::new("run.cpu.svg"), EventKind::Cpu), PathBuf::from("run.cpu.svg"));
         assert_eq!(path_for_kind(Path::new("run.cpu.svg"), EventKind::Alloc), PathBuf::from("run.alloc.svg"));
         assert_eq!(path_for_kind(Path::new("cpu.svg"), EventKind::Wall), PathBuf::from("cpu.wall.svg"));
+    }
+
+    #[test]
+    fn only_the_kernels_names_for_open_files_are_written_in_place_as_files() {
+        assert!(names_an_open_file(Path::new("/dev/stdout")));
+        assert!(names_an_open_file(Path::new("/proc/self/fd/1")));
+        assert!(names_an_open_file(Path::new("/dev/fd/2")));
+        assert!(!names_an_open_file(Path::new("/dev/shm/profile.svg")));
+        assert!(!names_an_open_file(Path::new("profile.svg")));
     }
 
     #[test]
