@@ -508,6 +508,8 @@ fn plain_loop(
             }
         }
         if signals.stopped() {
+            // `timeout 10 corsnap top ... > log`: the whole run, once more.
+            println!("{}", view.final_text(30));
             return Ok((signals.reason().0.to_string(), false, connection));
         }
         if Instant::now() >= next_interval {

@@ -280,3 +280,32 @@ fn ps_lists_dotnet_processes_and_name_finds_the_one_of_that_name() {
     assert_eq!(missing.status.code(), Some(2));
     assert!(stderr(&missing).contains("no .NET process is named no-such-program-name"), "{}", stderr(&missing));
 }
+
+#[test]
+fn top_without_a_terminal_stopped_by_sigterm_prints_the_whole_run_and_detaches() {
+    let dir = scratch("cli-top-term");
+    let service = Named::start(&dir, &format!("svc-top-{}", std::process::id()));
+    let top = Command::new(corsnap_bin())
+        .args(["top", "--interval", "5", "--pid", &service.pid.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(Command::new("kill").args(["-TERM", &top.id().to_string()]).status().unwrap().success());
+    let output = top.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert_eq!(stdout.matches("event cpu:").count(), 1, "one table, at the end:\n{stdout}");
+    assert!(stdout.contains("sorted by own, since start") && stdout.contains("Service.Crunch"), "{stdout}");
+    assert!(stderr(&output).contains("corsnap top: SIGTERM"), "{}", stderr(&output));
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", service.pid)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut mapped = maps.contains("libcorsnap_agent");
+    while mapped && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        mapped = std::fs::read_to_string(format!("/proc/{}/maps", service.pid)).unwrap().contains("libcorsnap_agent");
+    }
+    assert!(!mapped, "the agent left the process");
+}
