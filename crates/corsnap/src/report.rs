@@ -29,6 +29,12 @@ pub fn run(options: &ReportOptions) -> Result<()> {
             bail!("the input is already a raw recording: choose --format flamegraph, speedscope, collapsed or pprof")
         }
     };
+    if options.inverted && format != corsnap_profile::writers::Format::Flamegraph {
+        bail!(
+            "--inverted draws flame graphs top down, but the output is {}",
+            OutputFormat::Rendered(format).description()
+        );
+    }
     if let Some(note) = options
         .output
         .as_deref()

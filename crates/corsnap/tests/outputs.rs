@@ -215,6 +215,10 @@ fn an_extension_corsnap_does_not_know_is_named() {
     let out = report(&raw, &["-f", "txt", "-o", dir.path().join("prof2").to_str().unwrap()]);
     assert!(out.status.success() && !stderr(&out).contains("warning"), "{}", stderr(&out));
     assert!(std::fs::read_to_string(dir.path().join("prof2")).unwrap().starts_with("Program.Main;Work.Busy"));
+    // A flame graph option for another format is a contradiction.
+    let out = report(&raw, &["-f", "json", "--inverted", "-o", dir.path().join("p.json").to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("--inverted draws flame graphs top down, but the output is a speedscope profile"));
 }
 
 /// `corsnap record` with `args`, whose program would leave a marker if it ran.
