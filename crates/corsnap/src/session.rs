@@ -20,7 +20,7 @@ const MAX_BATCH: usize = 4096;
 /// A socket the agent connects to, in a directory only we can enter.
 #[derive(Debug)]
 pub struct Listener {
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
     path: PathBuf,
     listener: UnixListener,
 }
@@ -65,7 +65,7 @@ impl Listener {
         let listener = UnixListener::bind(&path).with_context(|| format!("listening on {}", path.display()))?;
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
         listener.set_nonblocking(true)?;
-        Ok(Listener { _dir: dir, path, listener })
+        Ok(Listener { dir, path, listener })
     }
 
     pub fn socket_path(&self) -> &Path {
@@ -76,7 +76,7 @@ impl Listener {
     /// stays open, but can no longer be reached).
     fn remove_files(&self) {
         let _ = std::fs::remove_file(&self.path);
-        let _ = std::fs::remove_dir(self._dir.path());
+        let _ = std::fs::remove_dir(self.dir.path());
     }
 
     /// Waits for process `pid` (ours, same user) to connect. `give_up` is
