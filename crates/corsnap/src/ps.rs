@@ -60,7 +60,12 @@ pub fn list() -> Vec<DotnetProcess> {
 
 /// The runtime version in `pid`'s memory map, if it has loaded one.
 fn runtime_of(pid: u32) -> Option<String> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    runtime_in_maps(&std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?)
+}
+
+/// The runtime version from a memory map: the name of the directory that
+/// holds `libcoreclr.so` (`.../Microsoft.NETCore.App/10.0.12/libcoreclr.so`).
+fn runtime_in_maps(maps: &str) -> Option<String> {
     let line = maps.lines().find(|l| l.ends_with("/libcoreclr.so"))?;
     let path = Path::new(&line[line.find('/')?..]);
     Some(path.parent()?.file_name()?.to_string_lossy().into_owned())
@@ -146,5 +151,19 @@ pub fn pid_by_name(name: &str) -> Result<u32> {
             several.len(),
             several.iter().map(|p| p.pid.to_string()).collect::<Vec<_>>().join(", ")
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_runtime_version_is_the_directory_of_libcoreclr() {
+        let maps = "7f3a1c000000-7f3a1c200000 r-xp 00000000 08:01 1234 /usr/lib/x86_64-linux-gnu/libc.so.6\n\
+                    7f3a1d000000-7f3a1d400000 r-xp 00000000 08:01 5678 \
+                    /usr/share/dotnet/shared/Microsoft.NETCore.App/10.0.12/libcoreclr.so\n";
+        assert_eq!(runtime_in_maps(maps).as_deref(), Some("10.0.12"));
+        assert_eq!(runtime_in_maps("7f00-7f01 r-xp 0 0:0 0 /usr/bin/python3\n"), None);
     }
 }
