@@ -55,7 +55,16 @@ pub fn list() -> Vec<DotnetProcess> {
             }
         }
     }
-    pids.into_iter().filter(|&pid| pid != me && Path::new(&format!("/proc/{pid}")).exists()).map(describe).collect()
+    pids.into_iter().filter(|&pid| pid != me && is_process(pid)).map(describe).collect()
+}
+
+/// Whether `pid` is a live process, not a thread: `/proc/{tid}` answers for
+/// threads too, and a socket left by a killed process names a pid that may
+/// since have gone to a thread of another one.
+fn is_process(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|status| {
+        status.lines().find_map(|l| l.strip_prefix("Tgid:")).and_then(|t| t.trim().parse::<u32>().ok()) == Some(pid)
+    })
 }
 
 /// The runtime version in `pid`'s memory map, if it has loaded one.
@@ -157,6 +166,22 @@ pub fn pid_by_name(name: &str) -> Result<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn threads_are_not_processes() {
+        assert!(is_process(std::process::id()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || {
+            tx.send(std::fs::read_link("/proc/thread-self").unwrap()).unwrap();
+            let _ = done_rx.recv();
+        });
+        let tid: u32 = rx.recv().unwrap().file_name().unwrap().to_string_lossy().parse().unwrap();
+        assert!(Path::new(&format!("/proc/{tid}")).exists(), "/proc answers for a thread");
+        assert!(!is_process(tid));
+        done_tx.send(()).unwrap();
+        t.join().unwrap();
+    }
 
     #[test]
     fn the_runtime_version_is_the_directory_of_libcoreclr() {
