@@ -644,7 +644,7 @@ fn diagnostics_disabled_by(environ: &[u8]) -> Option<String> {
 }
 
 /// The login name for `uid` from `/etc/passwd`, if it is there.
-fn user_name(uid: u32) -> Option<String> {
+pub fn user_name(uid: u32) -> Option<String> {
     let passwd = fs::read_to_string("/etc/passwd").ok()?;
     passwd.lines().find_map(|line| {
         let mut fields = line.split(':');

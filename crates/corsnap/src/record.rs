@@ -132,6 +132,31 @@ impl Process {
         }
     }
 
+    /// Waits for a program corsnap started that is ending by itself: its
+    /// exit code. An attached process is left running.
+    pub(crate) fn wait(&mut self) -> ExitCode {
+        match self {
+            Process::Child { child, exited } => wait_for(child, *exited).into_exit_code(),
+            Process::Attached { .. } => ExitCode::SUCCESS,
+        }
+    }
+
+    /// How a process that has ended ended: "the program exited (exit code
+    /// 3)", "the program was killed by SIGKILL (signal 9)".
+    fn describe_end(&mut self) -> String {
+        match self {
+            Process::Child { exited: Some(status), .. } => {
+                use std::os::unix::process::ExitStatusExt;
+                match status.signal() {
+                    Some(signal) => format!("the program was killed by {}", signal_name(signal)),
+                    None => format!("the program exited ({})", describe_status(*status)),
+                }
+            }
+            Process::Child { .. } => "the program exited".to_string(),
+            Process::Attached { .. } => "the process exited".to_string(),
+        }
+    }
+
     /// Whether the process has ended (reaping a child that has).
     fn has_exited(&mut self) -> bool {
         match self {
@@ -194,7 +219,9 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
             format!("{}-pid{pid}", program_name(command.split(' ').map(str::to_string)))
         }
     };
-    let output_path = options.output.clone().unwrap_or_else(|| default_output_name(&name, options.format));
+    let output_path = crate::output::output_path(options.output.as_deref(), || {
+        default_output_name(&name, options.format).to_string_lossy().into_owned()
+    })?;
     if let Target::Attach(pid) = options.target {
         // Find the diagnostics socket before creating anything: a wrong pid
         // should cost nothing.
@@ -246,6 +273,9 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     };
     let mut status = StatusLine::new();
     let mut agent_failed: Option<String> = None;
+    // Events the agent said it cannot record here (`--event alloc` on .NET
+    // Core 3.1): they get no file.
+    let mut refused: Vec<EventKind> = Vec::new();
     let mut on_message = |msg: &Message, builder: &mut ProfileBuilder, status: &mut StatusLine| {
         if let Some(raw) = raw.as_mut() {
             raw.record(msg);
@@ -258,7 +288,12 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                     eprintln!("corsnap: error: {text}");
                     agent_failed = Some(text);
                 }
-                Severity::Warning => eprintln!("corsnap: warning: {text}"),
+                Severity::Warning => {
+                    if let Some(kind) = refused_event(&text) {
+                        refused.push(kind);
+                    }
+                    eprintln!("corsnap: warning: {text}")
+                }
                 Severity::Info => eprintln!("corsnap: {text}"),
             }
         }
@@ -276,6 +311,11 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                     on_message(&msg, &mut builder, &mut status);
                     if let Message::Goodbye { reason } = &msg {
                         agent_gone = true;
+                        // Ctrl-C reaches the program too, whose runtime then
+                        // shuts down and says goodbye: the user interrupted.
+                        if interrupted.stopped() {
+                            break interrupted.reason().0.to_string();
+                        }
                         break reason.clone();
                     }
                 }
@@ -290,14 +330,18 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                     // A program that exits closes the connection a moment
                     // before its exit is visible.
                     let closed = Instant::now();
-                    while e.is_none() && !process.has_exited() && closed.elapsed() < Duration::from_millis(500) {
+                    while e.is_none()
+                        && !process.has_exited()
+                        && !interrupted.stopped()
+                        && closed.elapsed() < Duration::from_secs(1)
+                    {
                         std::thread::sleep(Duration::from_millis(10));
                     }
                     if interrupted.stopped() {
                         break interrupted.reason().0.to_string();
                     }
                     break match e {
-                        None if process.has_exited() => "the program exited".to_string(),
+                        None if process.has_exited() => process.describe_end(),
                         None => "the agent closed the connection".to_string(),
                         Some(e) => format!("the connection to the agent failed: {e}"),
                     };
@@ -358,16 +402,29 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
         });
     }
 
+    if !options.events.is_empty() && options.events.iter().all(|k| refused.contains(k)) {
+        // The agent has said why (one warning); an empty file would only
+        // hide it.
+        outputs.remove_all();
+        eprintln!("corsnap: no profile written: nothing that was asked for can be recorded in this runtime");
+        return Ok(match &mut process {
+            Process::Child { child, exited } => wait_for(child, *exited).max_failure(),
+            Process::Attached { .. } => ExitCode::from(2),
+        });
+    }
     let samples = builder.sample_count();
     let threads = builder.thread_count();
     let agent_stats = builder.stats();
-    let paths = outputs.paths();
+    let paths = outputs.kept(&refused);
+    let skipped = outputs.skipped(&refused);
     let profile = builder.finish();
     match raw {
         Some(raw) => raw.finish(outputs.into_single())?,
-        None => outputs.write(&profile, &options.write_options())?,
+        None => outputs.write(&profile, &options.write_options(), &refused)?,
     }
-    let paths: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+    if !skipped.is_empty() {
+        eprintln!("corsnap: not written (nothing could be recorded for it): {}", skipped.join(", "));
+    }
     eprintln!(
         "corsnap: wrote {} ({} from {}; recording ended: {stop_reason})",
         paths.join(", "),
@@ -409,7 +466,14 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
             if exited.is_none() && !interrupted.stopped() && options.duration.is_some() {
                 eprintln!("corsnap: recording stopped; waiting for the program to exit");
             }
-            Ok(wait_for(child, *exited).into_exit_code())
+            let status = exited.or_else(|| child.wait().ok());
+            if let Some(signal) = status.and_then(|s| std::os::unix::process::ExitStatusExt::signal(&s)) {
+                // Unless the user stopped it (Ctrl-C, or a signal corsnap passed on).
+                if !interrupted.stopped() && !stop_reason.contains("killed by") {
+                    eprintln!("corsnap: the program was killed by {}", signal_name(signal));
+                }
+            }
+            Ok(wait_for(child, status).into_exit_code())
         }
         Process::Attached { .. } => Ok(ExitCode::SUCCESS),
     }
@@ -586,6 +650,14 @@ impl std::fmt::Display for ProgramEndedEarly {
 
 impl std::error::Error for ProgramEndedEarly {}
 
+/// The event a notice of the agent says it cannot record (it starts
+/// `--event alloc needs ...`), if any.
+fn refused_event(notice: &str) -> Option<EventKind> {
+    let rest = notice.strip_prefix("--event ")?;
+    let word = rest.split(' ').next()?;
+    EventKind::ALL.into_iter().find(|k| k.name() == word)
+}
+
 /// Whether process `pid` has started the .NET runtime.
 fn runtime_started(pid: u32) -> bool {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
@@ -738,9 +810,36 @@ fn describe_status(status: ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
         (Some(code), _) => format!("exit code {code}"),
-        (None, Some(sig)) => format!("killed by signal {sig}"),
+        (None, Some(sig)) => format!("killed by {}", signal_name(sig)),
         _ => "unknown status".to_string(),
     }
+}
+
+/// `SIGKILL (signal 9)`.
+pub fn signal_name(signal: i32) -> String {
+    let name = match signal {
+        1 => "SIGHUP",
+        2 => "SIGINT",
+        3 => "SIGQUIT",
+        4 => "SIGILL",
+        5 => "SIGTRAP",
+        6 => "SIGABRT",
+        7 => "SIGBUS",
+        8 => "SIGFPE",
+        9 => "SIGKILL",
+        10 => "SIGUSR1",
+        11 => "SIGSEGV",
+        12 => "SIGUSR2",
+        13 => "SIGPIPE",
+        14 => "SIGALRM",
+        15 => "SIGTERM",
+        24 => "SIGXCPU",
+        25 => "SIGXFSZ",
+        27 => "SIGPROF",
+        31 => "SIGSYS",
+        _ => return format!("signal {signal}"),
+    };
+    format!("{name} (signal {signal})")
 }
 
 pub fn find_agent(explicit: Option<&Path>) -> Result<PathBuf> {

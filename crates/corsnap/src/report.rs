@@ -31,8 +31,29 @@ pub fn run(options: &ReportOptions) -> Result<()> {
             bail!("the input is already a raw recording: choose --format flamegraph, speedscope, collapsed or pprof")
         }
     };
+    if options.inverted && format != corsnap_profile::writers::Format::Flamegraph {
+        bail!(
+            "--inverted draws flame graphs top down, but the output is {}",
+            OutputFormat::Rendered(format).description()
+        );
+    }
+    if let Some(note) = options
+        .output
+        .as_deref()
+        .and_then(|o| crate::output::unknown_extension_note(options.format, o, OutputFormat::Rendered(format)))
+    {
+        eprintln!("corsnap: warning: {note}");
+    }
     // Next to the input, named after it: run.corsnap -> run.svg.
-    let output = options.output.clone().unwrap_or_else(|| options.input.with_extension(format.extension()));
+    let default_name = || {
+        let stem = options.input.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let stem = if stem.is_empty() { "profile".to_string() } else { stem };
+        format!("{stem}.{}", format.extension())
+    };
+    let output = match &options.output {
+        Some(output) => crate::output::output_path(Some(output), default_name)?,
+        None => options.input.with_file_name(default_name()),
+    };
     let file = File::open(&options.input).with_context(|| format!("cannot open {}", options.input.display()))?;
     let mut input = BufReader::new(file);
     read_raw_header(&mut input).with_context(|| format!("reading {}", options.input.display()))?;
@@ -60,14 +81,14 @@ pub fn run(options: &ReportOptions) -> Result<()> {
     let profile = builder.finish();
     let kinds = profile.kinds();
     let outputs = Outputs::create(&output, OutputFormat::Rendered(format), &kinds)?;
-    let paths: Vec<String> = outputs.paths().iter().map(|p| p.display().to_string()).collect();
+    let paths = outputs.describe();
     let write_options = corsnap_profile::writers::WriteOptions {
         threads: options.threads,
         title: options.title.clone(),
         inverted: options.inverted,
         raw_names: options.raw_names,
     };
-    outputs.write(&profile, &write_options)?;
+    outputs.write(&profile, &write_options, &[])?;
     eprintln!("corsnap: wrote {} ({samples} samples)", paths.join(", "));
     Ok(())
 }

@@ -20,7 +20,7 @@ const MAX_BATCH: usize = 4096;
 /// A socket the agent connects to, in a directory only we can enter.
 #[derive(Debug)]
 pub struct Listener {
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
     path: PathBuf,
     listener: UnixListener,
 }
@@ -47,10 +47,15 @@ pub struct AgentConnection {
     stream: UnixStream,
 }
 
+/// The socket directories' names: `corsnap-<pid of the CLI>-<random>`, so
+/// that one left by a corsnap that was killed can be recognised.
+const DIR_PREFIX: &str = "corsnap-";
+
 impl Listener {
     pub fn new() -> Result<Listener> {
+        remove_stale_dirs(&std::env::temp_dir());
         let dir = tempfile::Builder::new()
-            .prefix("corsnap-")
+            .prefix(&format!("{DIR_PREFIX}{}-", std::process::id()))
             .permissions(std::fs::Permissions::from_mode(0o700))
             .tempdir()
             .context("creating a private directory for the agent socket")?;
@@ -60,11 +65,18 @@ impl Listener {
         let listener = UnixListener::bind(&path).with_context(|| format!("listening on {}", path.display()))?;
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
         listener.set_nonblocking(true)?;
-        Ok(Listener { _dir: dir, path, listener })
+        Ok(Listener { dir, path, listener })
     }
 
     pub fn socket_path(&self) -> &Path {
         &self.path
+    }
+
+    /// Removes the socket and its directory (the listening socket itself
+    /// stays open, but can no longer be reached).
+    fn remove_files(&self) {
+        let _ = std::fs::remove_file(&self.path);
+        let _ = std::fs::remove_dir(self.dir.path());
     }
 
     /// Waits for process `pid` (ours, same user) to connect. `give_up` is
@@ -75,6 +87,10 @@ impl Listener {
             match self.listener.accept() {
                 Ok((stream, _)) => match corsnap_abi::peer_credentials(&stream) {
                     Ok((peer_pid, peer_uid)) if peer_uid == uid && peer_pid == pid => {
+                        // Connected: nobody else is to connect, so the socket
+                        // and its directory go now. A corsnap killed from here
+                        // on (even by SIGKILL) leaves nothing behind.
+                        self.remove_files();
                         return AgentConnection::start(stream);
                     }
                     // Another process (a child of the program inheriting the
@@ -89,6 +105,34 @@ impl Listener {
                 }
                 Err(e) => return Err(e).context("accepting the agent's connection"),
             }
+        }
+    }
+}
+
+/// Removes the socket directories in `tmp` that a corsnap of this user left
+/// when it was killed before its agent connected: named after a pid that is
+/// no longer a corsnap, private, and holding nothing but the socket.
+pub fn remove_stale_dirs(tmp: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(tmp) else { return };
+    let uid = corsnap_abi::current_uid();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name.strip_prefix(DIR_PREFIX).and_then(|rest| rest.split('-').next()) else { continue };
+        let Ok(pid) = pid.parse::<u32>() else { continue };
+        let Ok(meta) = std::fs::symlink_metadata(entry.path()) else { continue };
+        if !meta.is_dir() || meta.uid() != uid || meta.mode() & 0o777 != 0o700 || pid == std::process::id() {
+            continue;
+        }
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        if comm.trim() == "corsnap" {
+            continue; // still running
+        }
+        let contents: Vec<_> =
+            std::fs::read_dir(entry.path()).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
+        if contents.iter().all(|n| n == "agent.sock") {
+            let _ = std::fs::remove_file(entry.path().join("agent.sock"));
+            let _ = std::fs::remove_dir(entry.path());
         }
     }
 }

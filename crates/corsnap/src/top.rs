@@ -8,7 +8,7 @@
 //! with `--pid` quitting detaches and leaves the process as it was.
 
 use std::collections::HashMap;
-use std::io;
+use std::io::{self, IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -41,6 +41,8 @@ pub struct TopOptions {
     pub roots: RootFrames,
     pub raw_names: bool,
     pub interval: Duration,
+    /// One plain-text table after the first interval, then leave.
+    pub once: bool,
     pub agent_path: Option<PathBuf>,
 }
 
@@ -332,32 +334,32 @@ impl View {
         };
     }
 
-    fn draw(&self, frame: &mut Frame) {
-        let [header, table] = Layout::vertical([Constraint::Length(4), Constraint::Min(1)]).areas(frame.area());
-        let (now, now_total) = self.last.view(self.thread);
-        let (all, all_total) = self.all.view(self.thread);
+    /// The status line: which event is shown, in what unit, for how long.
+    fn status(&self) -> String {
         let unit = match self.event {
-            EventKind::Cpu | EventKind::Gc => "CPU time",
-            EventKind::Alloc => "bytes",
-            EventKind::Exceptions => "exceptions",
-            _ => "samples",
+            EventKind::Cpu => "CPU time",
+            EventKind::Wall => "samples of every thread",
+            EventKind::Alloc => "bytes allocated",
+            EventKind::Exceptions => "exceptions thrown",
+            EventKind::Gc => "GC pause time",
+            EventKind::ClassLoad => "classes loaded",
         };
         let thread = self.thread.map_or("all threads".to_string(), |t| self.thread_label(t));
-        let lines = vec![
-            Line::from(self.title.clone()).style(Style::default().add_modifier(Modifier::BOLD)),
-            Line::from(format!(
-                "{} · {:.0} s · {} samples · {thread} · sorted by {} of {unit}{}",
-                self.event,
-                self.started.elapsed().as_secs_f64(),
-                self.all.samples,
-                self.sort.label(),
-                if self.paused { " · PAUSED" } else { "" }
-            )),
-            Line::from("keys: s sort · t/T next/previous thread · a all threads · p pause · q quit"),
-            Line::from(self.note.clone().unwrap_or_default()),
-        ];
-        frame.render_widget(Paragraph::new(lines), header);
+        format!(
+            "event {}: {unit} · {:.0} s · {} samples · {thread} · sorted by {}{}",
+            self.event,
+            self.started.elapsed().as_secs_f64(),
+            self.all.samples,
+            self.sort.label(),
+            if self.paused { " · PAUSED" } else { "" }
+        )
+    }
 
+    /// The table: shares (own and total, last interval and since the
+    /// start) and the function, sorted, at most `limit` rows.
+    fn rows(&self, limit: usize) -> Vec<([f64; 4], String)> {
+        let (now, now_total) = self.last.view(self.thread);
+        let (all, all_total) = self.all.view(self.thread);
         let share = |w: u64, total: u64| if total == 0 { 0.0 } else { w as f64 * 100.0 / total as f64 };
         let mut functions: Vec<u64> = all.keys().copied().collect();
         let key = |f: &u64| -> u64 {
@@ -372,18 +374,72 @@ impl View {
         };
         let total_all = |f: &u64| all.get(f).map_or(0, |w| w.total);
         functions.sort_by(|a, b| key(b).cmp(&key(a)).then(total_all(b).cmp(&total_all(a))).then(a.cmp(b)));
-        let rows: Vec<Row> = functions
+        functions
             .iter()
-            .take(table.height.saturating_sub(1) as usize)
+            .take(limit)
             .map(|f| {
                 let n = now.get(f).copied().unwrap_or_default();
                 let a = all.get(f).copied().unwrap_or_default();
+                (
+                    [
+                        share(n.own, now_total),
+                        share(n.total, now_total),
+                        share(a.own, all_total),
+                        share(a.total, all_total),
+                    ],
+                    self.function_name(*f),
+                )
+            })
+            .collect()
+    }
+
+    /// The screen as plain text: for scripts, and left behind when a
+    /// launched program ends.
+    fn text(&self, limit: usize) -> String {
+        use std::fmt::Write as _;
+        let mut out = format!("{}\n{}\n", self.title, self.status());
+        if let Some(note) = &self.note {
+            let _ = writeln!(out, "{note}");
+        }
+        let _ = writeln!(out, "{:>7} {:>7} {:>8} {:>9}  Function", "Own", "Total", "Own all", "Total all");
+        for (shares, name) in self.rows(limit) {
+            let _ =
+                writeln!(out, "{:6.1}% {:6.1}% {:7.1}% {:8.1}%  {name}", shares[0], shares[1], shares[2], shares[3]);
+        }
+        out
+    }
+
+    /// The table once the program has ended: the last (partial) interval
+    /// closed, sorted by the whole run.
+    fn final_text(&mut self, limit: usize) -> String {
+        self.end_interval();
+        self.sort = match self.sort {
+            SortBy::OwnNow => SortBy::OwnAll,
+            SortBy::TotalNow => SortBy::TotalAll,
+            other => other,
+        };
+        self.text(limit)
+    }
+
+    fn draw(&self, frame: &mut Frame) {
+        let [header, table] = Layout::vertical([Constraint::Length(4), Constraint::Min(1)]).areas(frame.area());
+        let lines = vec![
+            Line::from(self.title.clone()).style(Style::default().add_modifier(Modifier::BOLD)),
+            Line::from(self.status()),
+            Line::from("keys: s sort · t/T next/previous thread · a all threads · p pause · q quit"),
+            Line::from(self.note.clone().unwrap_or_default()),
+        ];
+        frame.render_widget(Paragraph::new(lines), header);
+        let rows: Vec<Row> = self
+            .rows(table.height.saturating_sub(1) as usize)
+            .into_iter()
+            .map(|(shares, name)| {
                 Row::new(vec![
-                    Cell::from(format!("{:6.1}%", share(n.own, now_total))),
-                    Cell::from(format!("{:6.1}%", share(n.total, now_total))),
-                    Cell::from(format!("{:6.1}%", share(a.own, all_total))),
-                    Cell::from(format!("{:6.1}%", share(a.total, all_total))),
-                    Cell::from(self.function_name(*f)),
+                    Cell::from(format!("{:6.1}%", shares[0])),
+                    Cell::from(format!("{:6.1}%", shares[1])),
+                    Cell::from(format!("{:6.1}%", shares[2])),
+                    Cell::from(format!("{:6.1}%", shares[3])),
+                    Cell::from(name),
                 ])
             })
             .collect();
@@ -421,6 +477,9 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
             }
         }
     }
+    // Drawn on a terminal (keys on stdin, screen on stdout), else plain
+    // text; decided before anything is attached or started.
+    let interactive = !options.once && io::stdin().is_terminal() && io::stdout().is_terminal();
     let agent = crate::record::find_agent(options.agent_path.as_deref())?;
     if let Target::Attach(pid) = options.target {
         crate::diagnostics::find_socket(pid)?;
@@ -478,21 +537,34 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
             (connection, format!("corsnap top · {command}"), Some(process))
         }
     };
-    let view = View::new(title, options);
-    enable_raw_mode().context("switching the terminal to raw mode (corsnap top needs a terminal)")?;
-    let guard = TerminalGuard;
-    execute!(io::stdout(), EnterAlternateScreen)?;
-    let mut terminal = ratatui::Terminal::new(ratatui::backend::CrosstermBackend::new(io::stdout()))?;
-    let (ended, mut connection) = ui_loop(&mut terminal, view, connection, options.interval, &signals)?;
-    drop(terminal);
-    drop(guard);
+    let mut view = View::new(title, options);
+    let (ended, program_ended, mut connection) = if interactive {
+        enable_raw_mode().context("switching the terminal to raw mode (corsnap top needs a terminal)")?;
+        let guard = TerminalGuard;
+        execute!(io::stdout(), EnterAlternateScreen)?;
+        let mut terminal = ratatui::Terminal::new(ratatui::backend::CrosstermBackend::new(io::stdout()))?;
+        let ended = ui_loop(&mut terminal, &mut view, connection, options.interval, &signals)?;
+        drop(terminal);
+        drop(guard);
+        if ended.1 {
+            // The program is gone and so is the screen: leave its last table.
+            let rows = ratatui::crossterm::terminal::size().map_or(24, |(_, rows)| rows);
+            print!("{}", view.final_text(usize::from(rows.saturating_sub(6)).clamp(5, 40)));
+        }
+        ended
+    } else {
+        plain_loop(&mut view, connection, options.interval, options.once, &signals)?
+    };
+    let _ = io::stdout().flush();
     // Leave: a detach for an attached process; a launched one is ended.
-    let _ = connection.send_command(corsnap_wire::Command::Detach);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < deadline {
-        match connection.next_event(Duration::from_millis(100)) {
-            Some(Event::Message(Message::Goodbye { .. })) | Some(Event::Closed(_)) => break,
-            _ => {}
+    if !program_ended {
+        let _ = connection.send_command(corsnap_wire::Command::Detach);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            match connection.next_event(Duration::from_millis(100)) {
+                Some(Event::Message(Message::Goodbye { .. })) | Some(Event::Closed(_)) => break,
+                _ => {}
+            }
         }
     }
     connection.close();
@@ -501,18 +573,64 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
         eprintln!("corsnap top: the program's output is in {}", log.display());
     }
     Ok(match child {
+        Some(mut process) if program_ended => process.wait(),
         Some(mut process) => process.end_and_wait(),
         None => ExitCode::SUCCESS,
     })
 }
 
+/// How a session ended: why, whether the program (or process) ended by
+/// itself, and the connection to leave by.
+type Ended = (String, bool, AgentConnection);
+
+/// Without a terminal: a plain-text table every interval (or one, with
+/// `--once`), and a last one when the program ends.
+fn plain_loop(
+    view: &mut View,
+    mut connection: AgentConnection,
+    interval: Duration,
+    once: bool,
+    signals: &StopSignals,
+) -> Result<Ended> {
+    let mut next_interval = Instant::now() + interval;
+    loop {
+        if let Some(ev) = connection.next_event(Duration::from_millis(50)) {
+            match ev {
+                Event::Message(Message::Goodbye { reason }) => {
+                    println!("{}", view.final_text(30));
+                    return Ok((reason, true, connection));
+                }
+                Event::Message(msg) => view.apply(&msg),
+                Event::Closed(_) => {
+                    println!("{}", view.final_text(30));
+                    return Ok(("the program exited".to_string(), true, connection));
+                }
+            }
+        }
+        if signals.stopped() {
+            // `timeout 10 corsnap top ... > log`: the whole run, once more.
+            println!("{}", view.final_text(30));
+            return Ok((signals.reason().0.to_string(), false, connection));
+        }
+        if Instant::now() >= next_interval {
+            next_interval += interval;
+            view.end_interval();
+            println!("{}", view.text(30));
+            let _ = io::stdout().flush();
+            if once {
+                return Ok(("--once: one interval shown".to_string(), false, connection));
+            }
+        }
+    }
+}
+
 fn ui_loop(
     terminal: &mut DefaultTerminal,
-    mut view: View,
+    view: &mut View,
     mut connection: AgentConnection,
     interval: Duration,
     signals: &StopSignals,
-) -> Result<(String, AgentConnection)> {
+) -> Result<Ended> {
     let mut next_interval = Instant::now() + interval;
     let mut dirty = true;
     loop {
@@ -520,16 +638,16 @@ fn ui_loop(
         let until = Instant::now() + Duration::from_millis(50);
         while let Some(ev) = connection.next_event(until.saturating_duration_since(Instant::now())) {
             match ev {
-                Event::Message(Message::Goodbye { reason }) => return Ok((reason, connection)),
+                Event::Message(Message::Goodbye { reason }) => return Ok((reason, true, connection)),
                 Event::Message(msg) => view.apply(&msg),
-                Event::Closed(_) => return Ok(("the process exited".to_string(), connection)),
+                Event::Closed(_) => return Ok(("the process exited".to_string(), true, connection)),
             }
             if Instant::now() >= until {
                 break;
             }
         }
         if signals.stopped() {
-            return Ok((signals.reason().0.to_string(), connection));
+            return Ok((signals.reason().0.to_string(), false, connection));
         }
         while event::poll(Duration::ZERO)? {
             if let KeyEvent::Key(key) = event::read()? {
@@ -537,9 +655,9 @@ fn ui_loop(
                     continue;
                 }
                 match key.code {
-                    KeyCode::Char('q') | KeyCode::Esc => return Ok(("quit".to_string(), connection)),
+                    KeyCode::Char('q') | KeyCode::Esc => return Ok(("quit".to_string(), false, connection)),
                     KeyCode::Char('c') if key.modifiers.contains(KeyModifiers::CONTROL) => {
-                        return Ok(("quit".to_string(), connection))
+                        return Ok(("quit".to_string(), false, connection))
                     }
                     KeyCode::Char('s') => view.sort = view.sort.next(),
                     KeyCode::Char('t') => view.step_thread(true),
@@ -582,6 +700,7 @@ mod tests {
             roots,
             raw_names,
             interval: Duration::from_secs(1),
+            once: false,
             agent_path: None,
         }
     }

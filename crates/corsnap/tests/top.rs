@@ -70,7 +70,7 @@ fn top_shows_the_busy_method_live_sorts_filters_and_quits_leaving_the_process_as
         s.lines().skip_while(|l| !l.contains("Function")).nth(1).is_some_and(|first| first.contains("Service.Crunch"))
     });
     assert!(screen.contains(&format!("pid {}", service.pid)), "{screen}");
-    assert!(screen.contains("cpu ·") && screen.contains("sorted by own, last interval"), "{screen}");
+    assert!(screen.contains("event cpu: CPU time ·") && screen.contains("sorted by own, last interval"), "{screen}");
     // `s` sorts by the next column.
     pane.keys("s");
     pane.wait_for("the total sort", Duration::from_secs(5), |s| s.contains("sorted by total, last interval"));
@@ -88,4 +88,24 @@ fn top_shows_the_busy_method_live_sorts_filters_and_quits_leaving_the_process_as
     }
     service.wait_agent_gone();
     service.wait_heartbeats(2);
+}
+
+#[test]
+fn a_launched_program_that_ends_leaves_its_last_table_on_the_terminal() {
+    let dir = support::scratch("top-last-table");
+    let dll = support::compiled("split", support::Runtime::Net10);
+    let command = format!(
+        "cd {} && DOTNET_SYSTEM_GLOBALIZATION_INVARIANT=1 {} top --interval 0.5 -- {} {} 2; echo top-exit=$?; sleep 60",
+        dir.display(),
+        corsnap_bin().display(),
+        support::Runtime::Net10.dotnet().display(),
+        dll.display()
+    );
+    let pane = Pane::start(&command);
+    let screen = pane.wait_for("top to end", Duration::from_secs(30), |s| s.contains("top-exit="));
+    assert!(screen.contains("top-exit=0"), "the program's exit code:\n{screen}");
+    assert!(screen.contains("corsnap top: the program exited"), "{screen}");
+    assert!(screen.contains("event cpu: CPU time") && screen.contains("sorted by own, since start"), "{screen}");
+    let table: Vec<&str> = screen.lines().skip_while(|l| !l.contains("Function")).skip(1).take(2).collect();
+    assert!(table.iter().any(|l| l.contains("Split.Heavy")), "the busiest method leads:\n{screen}");
 }
