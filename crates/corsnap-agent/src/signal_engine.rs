@@ -623,16 +623,24 @@ impl SignalEngine {
         if let Some(known) = self.stack_ids.get(raw) {
             frames.extend_from_slice(known);
         } else {
+            // The method a catch or finally block belongs to, at the index
+            // its frame takes in `frames`.
+            let mut funclets: Vec<(usize, u64)> = Vec::new();
             for &frame in raw {
-                let key = self.frame_id(lookup_address(frame));
+                let address = lookup_address(frame);
+                let key = self.frame_id(address);
                 // A run of frames in one unnamed place reads as one frame.
                 if (key == UNKNOWN_CODE_KEY || crate::code_learning::is_stub_key(key & !NATIVE_FRAME_BIT))
                     && frames.last() == Some(&key)
                 {
                     continue;
                 }
+                if self.is_funclet(address) {
+                    funclets.push((frames.len(), key));
+                }
                 frames.push(key);
             }
+            fold_funclets(&mut frames, &funclets);
             if self.stack_ids.len() >= STACK_CACHE_CAP {
                 self.stack_ids.clear();
                 self.resets += 1;
@@ -765,6 +773,15 @@ impl SignalEngine {
         marked.extend_from_slice(&frames[above..]);
         *frames = marked;
         self.note_name(FrameName::Native { key: GC_KEY, name: "[garbage collection]".into(), module: String::new() });
+    }
+
+    /// Whether `address` is in a funclet (a catch, filter or finally block)
+    /// of a JIT'd method: a function-table entry of its body other than the
+    /// first, which is the method's own code.
+    fn is_funclet(&self, address: u64) -> bool {
+        let Some(region) = self.map.managed_at(address) else { return false };
+        region.tag >= crate::code_learning::TAG_LIMIT
+            && region.function_at(address).is_some_and(|f| f.start != region.code.start)
     }
 
     /// The frame of an address in a region of the code map, by its tag.
@@ -949,4 +966,46 @@ fn interval_ns(hz: u32) -> u64 {
 /// The agent's own threads are named `corsnap-…`.
 fn is_agent_thread(tid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/self/task/{tid}/comm")).is_ok_and(|n| n.starts_with("corsnap-"))
+}
+
+/// A funclet (catch, filter, finally) runs on top of the frames of the
+/// exception it handles: the throw, the runtime's dispatch, then, further
+/// down, the frame of the method it belongs to. `DoStackSnapshot` (and the
+/// program's own idea of where it is) shows it as that method, under that
+/// method's caller: so the frames between a funclet and its method's own
+/// frame, and that frame, go. A funclet whose method's frame is not found
+/// keeps its stack as it is. `funclets`: (index in `frames`, leaf first; the
+/// method's frame key), in order.
+fn fold_funclets(frames: &mut Vec<u64>, funclets: &[(usize, u64)]) {
+    // From the root end, so earlier indices stay valid.
+    for &(at, method) in funclets.iter().rev() {
+        if at >= frames.len() || frames[at] != method {
+            continue;
+        }
+        if let Some(parent) = frames[at + 1..].iter().position(|&k| k == method) {
+            frames.drain(at + 1..=at + 1 + parent);
+        }
+    }
+}
+
+#[cfg(test)]
+mod funclet_tests {
+    use super::fold_funclets;
+
+    #[test]
+    fn a_catch_block_shows_as_its_method_under_that_methods_caller() {
+        // Leaf first: catch block of Parse (10), the runtime's dispatch (1, 2),
+        // the throw (20, 21), Parse's own frame (10), its caller (30).
+        let mut frames = vec![10, 1, 2, 20, 21, 10, 30];
+        fold_funclets(&mut frames, &[(0, 10)]);
+        assert_eq!(frames, [10, 30]);
+        // Its method's frame not among them: left as it is.
+        let mut frames = vec![10, 1, 2, 20];
+        fold_funclets(&mut frames, &[(0, 10)]);
+        assert_eq!(frames, [10, 1, 2, 20]);
+        // Nested: a finally inside a catch, each folded.
+        let mut frames = vec![40, 1, 41, 40, 10, 2, 10, 30];
+        fold_funclets(&mut frames, &[(0, 40), (4, 10)]);
+        assert_eq!(frames, [40, 10, 30]);
+    }
 }

@@ -14,6 +14,10 @@ use crate::{EventKind, Frame, FrameIdx, FrameKind, GcRecord, Meta, Profile, Samp
 pub const NATIVE_FRAME: &str = "[native code]";
 /// Frame appended (at the root end) to a stack the agent cut short.
 pub const TRUNCATED_FRAME: &str = "[truncated]";
+/// The runtime dispatching an exception: on .NET 9 and later its managed
+/// `System.Runtime.EH` code (and the native code it calls) on top of the
+/// throw's frames, which `DoStackSnapshot` does not show either.
+pub const EXCEPTION_DISPATCH_FRAME: &str = "[exception dispatch]";
 
 /// How native frames (from the signal engine's walks) enter the profile.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -45,6 +49,9 @@ pub struct ProfileBuilder {
     native_roots: HashMap<u64, NativeRoot>,
     /// `[host start-up]` and `[thread start]`, once interned.
     start_frames: HashMap<Start, FrameIdx>,
+    /// Functions of the runtime's managed exception dispatch.
+    exception_dispatch: std::collections::HashSet<u64>,
+    exception_dispatch_frame: Option<FrameIdx>,
     /// Whether a frame is a Roslyn state machine's `MoveNext` (by
     /// [`FrameIdx`]; `None` until first asked), and its variants by what the
     /// stack showed it to be.
@@ -116,6 +123,8 @@ impl ProfileBuilder {
                 let native = function_id & corsnap_wire::NATIVE_FRAME_BIT != 0;
                 if native {
                     self.native_roots.insert(*function_id, classify_native(name, module));
+                } else if name.starts_with("System.Runtime.EH.") {
+                    self.exception_dispatch.insert(*function_id);
                 }
                 let idx = if native && self.native_frames == NativeFrames::Collapse {
                     self.marker_frame(NATIVE_FRAME, FrameKind::Native)
@@ -175,6 +184,29 @@ impl ProfileBuilder {
             _ => None,
         };
         let kept = fold.map_or(frames, |(keep, _)| &frames[..keep]);
+        // A sample in the runtime's exception dispatch: its frames (and the
+        // native ones it called) are one frame above the throw's.
+        let dispatch = match self.root_frames {
+            RootFrames::Fold if !self.exception_dispatch.is_empty() => {
+                kept.iter().rposition(|id| self.exception_dispatch.contains(id))
+            }
+            _ => None,
+        };
+        let kept = match dispatch {
+            Some(at) => {
+                let idx = match self.exception_dispatch_frame {
+                    Some(idx) => idx,
+                    None => {
+                        let idx = self.synthetic_frame(EXCEPTION_DISPATCH_FRAME.to_string(), FrameKind::Native);
+                        self.exception_dispatch_frame = Some(idx);
+                        idx
+                    }
+                };
+                stack.push(idx);
+                &kept[at + 1..]
+            }
+            None => kept,
+        };
         for &function_id in kept {
             let idx = match function_id {
                 0 => self.marker_frame(NATIVE_FRAME, FrameKind::Native),
