@@ -251,12 +251,12 @@ def main():
           "(middle half in brackets); after vs before likewise.\n")
     print("| profiler | before | during | after | loss | after vs before | p99 latency before / during |")
     print("|---|---|---|---|---|---|---|")
-    losses = {}
+    loss_rounds = {}
     for p in profilers:
         before, during, after = series(p, "rps")
         loss = [1 - d / ((b + a) / 2) for b, d, a in zip(before, during, after)]
         drift = [a / b - 1 for b, a in zip(before, after)]
-        losses[p] = statistics.median(loss)
+        loss_rounds[p] = loss
         p99b, p99d, _ = (statistics.median(x) for x in series(p, "p99"))
         print(f"| {names[p]} | {statistics.median(before):.0f} | {statistics.median(during):.0f} | "
               f"{statistics.median(after):.0f} | {spread(loss)} | {spread(drift)} | {p99b:.2f} / {p99d:.2f} ms |")
@@ -266,11 +266,11 @@ def main():
           "during / mean(before, after) - 1, median over rounds (middle half in brackets).\n")
     print("| profiler | before | during | after | cost | profiler's own report |")
     print("|---|---|---|---|---|---|")
-    costs = {}
+    cost_rounds = {}
     for p in profilers:
         before, during, after = series(p, "cpu_us")
         cost = [d / ((b + a) / 2) - 1 for b, d, a in zip(before, during, after)]
-        costs[p] = statistics.median(cost)
+        cost_rounds[p] = cost
         reports = [r for _, _, _, r in rows[p] if r]
         if reports and "samples" in reports[0]:
             own = (f"{statistics.median(r['samples'] for r in reports):.0f} samples a window, handler "
@@ -283,17 +283,19 @@ def main():
             own = "-"
         print(f"| {names[p]} | {statistics.median(before):.1f} | {statistics.median(during):.1f} | "
               f"{statistics.median(after):.1f} | {spread(cost)} | {own} |")
-    if "corsnap" in losses:
-        verdict = "met" if losses["corsnap"] <= 0.02 else "MISSED"
-        against = ""
-        if "dotnet-trace" in losses:
-            below = losses["corsnap"] < losses["dotnet-trace"]
-            against = f", {'below' if below else 'NOT below'} dotnet-trace's {losses['dotnet-trace'] * 100:.1f}%"
-        print(f"\ntarget (corsnap at 100 Hz loses at most 2% of requests/s, and less than dotnet-trace): {verdict}: "
-              f"{losses['corsnap'] * 100:.1f}%{against}")
-        if "dotnet-trace" in costs:
-            print(f"CPU per request: corsnap {costs['corsnap'] * 100:+.1f}%, dotnet-trace "
-                  f"{costs['dotnet-trace'] * 100:+.1f}%")
+    if "corsnap" in loss_rounds:
+        # Decided only when the middle half of the rounds is on one side of 2%.
+        for what, per_round in (("requests/s lost", loss_rounds), ("CPU per request added", cost_rounds)):
+            v = per_round["corsnap"]
+            q1, q3 = (statistics.quantiles(v, n=4)[0::2] if len(v) >= 4 else (min(v), max(v)))
+            verdict = "met" if q3 <= 0.02 else "MISSED" if q1 > 0.02 else "not shown either way"
+            against = ""
+            if "dotnet-trace" in per_round:
+                below = statistics.median(v) < statistics.median(per_round["dotnet-trace"])
+                against = (f"; {'below' if below else 'NOT below'} dotnet-trace's "
+                           f"{statistics.median(per_round['dotnet-trace']) * 100:+.1f}%")
+            print(f"{'' if what.startswith('CPU') else chr(10)}target, {what} at 100 Hz at most 2%: {verdict} "
+                  f"({statistics.median(v) * 100:+.1f}%, middle half {q1 * 100:+.1f}..{q3 * 100:+.1f}){against}")
     if failures:
         sys.exit(f"{failures} requests failed")
 
