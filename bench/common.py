@@ -3,14 +3,16 @@ compile the C# workloads."""
 import os, re, statistics, subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CORSNAP = os.path.join(ROOT, "target/release/corsnap")
+# Where cargo puts its builds: $CARGO_TARGET_DIR when set, as cargo does.
+CORSNAP = os.path.join(os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target"), "release/corsnap")
 OUT = os.path.join(ROOT, "target/bench")
 
 
-def prepare(*programs):
+def prepare(*programs, runtime="8"):
     """Runs scripts/setup.sh, builds the workspace in release mode, compiles
-    each C# source (a path relative to the repository) for .NET 8. Returns the
-    environment (with CORSNAP_DOTNET8 and friends) and the compiled .dll paths."""
+    each C# source (a path relative to the repository) for .NET 8 (or
+    `runtime`: "10", "9"). Returns the environment (with CORSNAP_DOTNET8 and
+    friends) and the compiled .dll paths."""
     subprocess.run(["bash", f"{ROOT}/scripts/setup.sh"], check=True)
     deps = os.environ.get("CORSNAP_DEPS", os.path.expanduser("~/.cache/corsnap"))
     env = dict(os.environ)
@@ -22,7 +24,7 @@ def prepare(*programs):
     subprocess.run(["cargo", "build", "--release", "--workspace", "--quiet"], cwd=ROOT, check=True)
     dlls = []
     for program in programs:
-        subprocess.run(["bash", f"{ROOT}/scripts/build-cs.sh", os.path.join(ROOT, program), OUT, "8"], env=env, check=True)
+        subprocess.run(["bash", f"{ROOT}/scripts/build-cs.sh", os.path.join(ROOT, program), OUT, runtime], env=env, check=True)
         dlls.append(os.path.join(OUT, os.path.splitext(os.path.basename(program))[0] + ".dll"))
     return env, dlls
 

@@ -9,6 +9,12 @@
 # .cs. The runtime defaults to 10. Run the result with
 #   "$CORSNAP_DOTNET10" OUTDIR/<name>.dll [args]      (or $CORSNAP_DOTNET8 ...)
 #
+# A source with the line `// corsnap-build: aspnetcore` is an ASP.NET Core
+# app (.NET 10 only): it is also compiled against the SDK's
+# Microsoft.AspNetCore.App reference pack ($CORSNAP_REF_ASPNET10, else the
+# newest under the SDK's packs/), and its runtimeconfig names the
+# Microsoft.AspNetCore.App framework.
+#
 # The compiler and the assemblies compiled against come from
 # $CORSNAP_DEPS/env.sh (scripts/setup.sh), unless already in the environment.
 set -euo pipefail
@@ -45,6 +51,19 @@ case "$src" in *.cs) ;; *) die "source file must end in .cs: $src" ;; esac
 name="$(basename "$src" .cs)"
 [ -n "$name" ] || die "cannot derive an assembly name from $src"
 
+framework=Microsoft.NETCore.App
+extra_refs=""
+if grep -q '^// corsnap-build: aspnetcore *$' "$src"; then
+    case "$runtime" in 10|10.0) ;; *) die "$src is an ASP.NET Core app: .NET 10 only" ;; esac
+    extra_refs="${CORSNAP_REF_ASPNET10:-}"
+    if [ -z "$extra_refs" ]; then
+        dotnet_root="$(dirname "$(readlink -f "$(command -v "${CORSNAP_DOTNET10:-dotnet}")")")"
+        extra_refs="$(ls -d "$dotnet_root"/packs/Microsoft.AspNetCore.App.Ref/10.*/ref/net10.0 2>/dev/null | sort -V | tail -n 1)"
+    fi
+    [ -d "$extra_refs" ] || die "no Microsoft.AspNetCore.App reference pack for .NET 10 (set CORSNAP_REF_ASPNET10)"
+    framework=Microsoft.AspNetCore.App
+fi
+
 mkdir -p "$outdir" || die "cannot create output directory: $outdir"
 dll="$outdir/$name.dll"
 config="$outdir/$name.runtimeconfig.json"
@@ -61,6 +80,9 @@ trap 'rm -f "$rsp"' EXIT
         case "$(basename "$f")" in Microsoft.DiaSymReader.Native*|mscordaccore*|*.ni.dll) continue ;; esac
         printf -- '-r:"%s"\n' "$f"
     done
+    if [ -n "$extra_refs" ]; then
+        for f in "$extra_refs"/*.dll; do printf -- '-r:"%s"\n' "$f"; done
+    fi
     printf '"%s"\n' "$src"
 } >"$rsp"
 if ! log="$("${CORSNAP_DOTNET10:-dotnet}" "$CORSNAP_CSC" "@$rsp" 2>&1)"; then
@@ -74,7 +96,7 @@ cat >"$config" <<JSON
 {
   "runtimeOptions": {
     "tfm": "$tfm",
-    "framework": { "name": "Microsoft.NETCore.App", "version": "$framework_version" }$invariant
+    "framework": { "name": "$framework", "version": "$framework_version" }$invariant
   }
 }
 JSON

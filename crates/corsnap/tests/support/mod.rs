@@ -225,6 +225,8 @@ pub struct Service {
     child: Child,
     pub pid: u32,
     heartbeats: Arc<AtomicU64>,
+    /// Every other line the service wrote to stdout after its ready line.
+    lines: Arc<Mutex<Vec<String>>>,
     /// The end of what the service wrote to stderr: the runtime's last words
     /// if it crashes.
     stderr_tail: Arc<Mutex<String>>,
@@ -242,6 +244,30 @@ impl Service {
     }
 
     pub fn start_program(runtime: Runtime, program: &str, args: &[&str], env: &[(&str, &str)]) -> Service {
+        let (service, rest) = Service::start_program_ready(runtime, program, args, env);
+        assert!(rest.is_empty(), "unexpected words after the pid in the ready line: {rest:?}");
+        service
+    }
+
+    /// A program whose ready line says more: `ready <pid> <port>` from
+    /// `webapp.cs`. Returns the service and the port it listens on.
+    pub fn start_listening(runtime: Runtime, program: &str, args: &[&str], env: &[(&str, &str)]) -> (Service, u16) {
+        let (service, rest) = Service::start_program_ready(runtime, program, args, env);
+        let port = match rest.as_slice() {
+            [port] => port.parse().unwrap_or_else(|_| panic!("ready line's port {port:?}")),
+            _ => panic!("expected `ready <pid> <port>`, the words after the pid are {rest:?}"),
+        };
+        (service, port)
+    }
+
+    /// [`Service::start_program`] for a ready line `ready <pid> [words...]`:
+    /// the service and the words after the pid.
+    pub fn start_program_ready(
+        runtime: Runtime,
+        program: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> (Service, Vec<String>) {
         let dll = compiled(program, runtime);
         let mut cmd = Command::new(runtime.dotnet());
         cmd.env("DOTNET_SYSTEM_GLOBALIZATION_INVARIANT", "1");
@@ -260,14 +286,20 @@ impl Service {
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         // Readiness handshake: the service prints its pid once it runs.
         let ready = lines.next().expect("service printed nothing").unwrap();
-        let pid: u32 =
-            ready.strip_prefix("ready ").unwrap_or_else(|| panic!("unexpected first line {ready:?}")).parse().unwrap();
+        let mut words =
+            ready.strip_prefix("ready ").unwrap_or_else(|| panic!("unexpected first line {ready:?}")).split(' ');
+        let pid: u32 = words.next().unwrap().parse().unwrap();
+        let rest: Vec<String> = words.map(str::to_string).collect();
         let heartbeats = Arc::new(AtomicU64::new(0));
         let count = heartbeats.clone();
+        let other_lines = Arc::new(Mutex::new(Vec::new()));
+        let others = other_lines.clone();
         std::thread::spawn(move || {
             for line in lines.map_while(Result::ok) {
                 if line.starts_with("heartbeat ") {
                     count.fetch_add(1, Ordering::SeqCst);
+                } else {
+                    others.lock().unwrap().push(line);
                 }
             }
         });
@@ -286,7 +318,7 @@ impl Service {
                 }
             }
         });
-        Service { child, pid, heartbeats, stderr_tail }
+        (Service { child, pid, heartbeats, lines: other_lines, stderr_tail }, rest)
     }
 
     pub fn is_alive(&mut self) -> bool {
@@ -312,6 +344,18 @@ impl Service {
         let start = self.heartbeats.load(Ordering::SeqCst);
         wait_for(Duration::from_secs(10), || self.heartbeats.load(Ordering::SeqCst) >= start + n)
             .unwrap_or_else(|| panic!("the service stopped beating"));
+    }
+
+    /// Waits for a line of stdout (other than a heartbeat) that starts with
+    /// `prefix`, written since the start, and returns it.
+    pub fn wait_line(&self, prefix: &str, limit: Duration) -> String {
+        let mut found = None;
+        wait_for(limit, || {
+            found = self.lines.lock().unwrap().iter().find(|l| l.starts_with(prefix)).cloned();
+            found.is_some()
+        })
+        .unwrap_or_else(|| panic!("no line {prefix:?} from the service within {limit:?}"));
+        found.unwrap()
     }
 
     pub fn agent_mapped(&self) -> bool {
