@@ -602,79 +602,25 @@ macro_rules! check {
 }
 
 mod pool {
-    check!(
-        #[ignore = "issue 15: [incomplete stack] 1.85%, 0.58%, 0.69% of CPU in three runs: deep libcoreclr stacks (type loading, JIT) under Catalog.Orders and Task.RunContinuations, and Work.Delegates -> closure samples cut below Work.Delegates"]
-        net10_incomplete_at_most_1_percent,
-        POOL,
-        Net10,
-        incomplete
-    );
-    check!(
-        #[ignore = "issue 15: [unknown code] 3.64%, 4.19%, 2.67% of CPU: innermost frame above Lookup<TKey, TElement>.Create, Work.Query and Work.Delegates (interface and delegate dispatch)"]
-        net10_unknown_code_at_most_1_percent,
-        POOL,
-        Net10,
-        unknown
-    );
+    check!(net10_incomplete_at_most_1_percent, POOL, Net10, incomplete);
+    check!(net10_unknown_code_at_most_1_percent, POOL, Net10, unknown);
     check!(net10_pool_work_rooted_under_worker_start, POOL, Net10, rooted);
     check!(net10_pairs_and_roots_agree_with_do_stack_snapshot, POOL, Net10, referee);
-    check!(
-        #[ignore = "issue 15: 2.02% and 0.93% of CPU in pairs DoStackSnapshot never showed (Enumerable.Sum -> <Query>b__6_4 0.49%, <Query>b__6_4 -> DecCalc.VarDecMul 0.36%, ...)"]
-        net10_pairs_and_roots_agree_with_do_stack_snapshot_without_pgo,
-        POOL,
-        Net10,
-        referee_without_pgo
-    );
+    check!(net10_pairs_and_roots_agree_with_do_stack_snapshot_without_pgo, POOL, Net10, referee_without_pgo);
     check!(net10_measured_shares_within_5_points, POOL, Net10, shares);
-    check!(
-        #[ignore = "issue 15: 62 of 63 walks identical in one run of three (70/70, 80/80 in the others): a pool thread's signal walk CpuClock.ThreadNs <- Work.Round <- <<Main>$>b__1 where DoStackSnapshot showed the other work item (<Query>b__6_4 ... <- <<Main>$>b__2)"]
-        net10_walks_verified_at_the_same_instant,
-        POOL,
-        Net10,
-        verified
-    );
-    check!(
-        #[ignore = "issue 15: [incomplete stack] 1.38%, 1.15%, 1.19% of CPU: deep libcoreclr/libclrjit stacks whose copy does not fit, and Work.Delegates -> Apply -> closure samples cut below Work.Delegates"]
-        net8_incomplete_at_most_1_percent,
-        POOL,
-        Net8,
-        incomplete
-    );
-    check!(
-        #[ignore = "issue 15: [unknown code] 3.81%, 6.15%, 5.52% of CPU: innermost frame above Apply (the closures' delegate calls), Lookup.GetGrouping, Lookup.InternalGetHashCode, Enumerable.Sum"]
-        net8_unknown_code_at_most_1_percent,
-        POOL,
-        Net8,
-        unknown
-    );
+    check!(net10_walks_verified_at_the_same_instant, POOL, Net10, verified);
+    check!(net8_incomplete_at_most_1_percent, POOL, Net8, incomplete);
+    check!(net8_unknown_code_at_most_1_percent, POOL, Net8, unknown);
     check!(net8_pool_work_rooted_under_worker_start, POOL, Net8, rooted);
     check!(net8_pairs_and_roots_agree_with_do_stack_snapshot, POOL, Net8, referee);
-    check!(
-        #[ignore = "issue 15: 1.60% and 0.55% of CPU in pairs DoStackSnapshot never showed (Task.ScheduleAndStart -> ThreadPoolTaskScheduler.QueueTask, RunFromThreadPoolDispatchLoop -> Task+<>c.<.cctor>b__281_0, ...)"]
-        net8_pairs_and_roots_agree_with_do_stack_snapshot_without_pgo,
-        POOL,
-        Net8,
-        referee_without_pgo
-    );
+    check!(net8_pairs_and_roots_agree_with_do_stack_snapshot_without_pgo, POOL, Net8, referee_without_pgo);
     check!(net8_measured_shares_within_5_points, POOL, Net8, shares);
     check!(net8_walks_verified_at_the_same_instant, POOL, Net8, verified);
 }
 
 mod asyncwork {
-    check!(
-        #[ignore = "issue 15: [incomplete stack] 2.79%, 1.35%, 3.59% of CPU: libcoreclr/libclrjit stacks under StageTotals.Report and <ProduceAsync>d__1.MoveNext, Stages.Compress -> <Compress>g__Encode cut below Compress"]
-        net10_incomplete_at_most_1_percent,
-        ASYNCWORK,
-        Net10,
-        incomplete
-    );
-    check!(
-        #[ignore = "issue 15: [unknown code] 0.78%, 7.94%, 2.09% of CPU: Stages.Render;[unknown code];String.Join (a frame between Render and String.Join)"]
-        net10_unknown_code_at_most_1_percent,
-        ASYNCWORK,
-        Net10,
-        unknown
-    );
+    check!(net10_incomplete_at_most_1_percent, ASYNCWORK, Net10, incomplete);
+    check!(net10_unknown_code_at_most_1_percent, ASYNCWORK, Net10, unknown);
     check!(net10_pool_work_rooted_under_worker_start, ASYNCWORK, Net10, rooted);
     check!(
         #[ignore = "issue 15: 0.47% and 1.14% of CPU in pairs DoStackSnapshot never showed (<WaitUntilCountOrTimeoutAsync>d__33.MoveNext -> GetStateMachineBox 0.51%, AsyncMethodBuilderCore.Start -> <WaitUntilCountOrTimeoutAsync>d__33.MoveNext 0.51%, ...)"]
@@ -692,20 +638,8 @@ mod asyncwork {
     );
     check!(net10_measured_shares_within_5_points, ASYNCWORK, Net10, shares);
     check!(net10_walks_verified_at_the_same_instant, ASYNCWORK, Net10, verified);
-    check!(
-        #[ignore = "issue 15: [incomplete stack] 1.40%, 0.79%, 1.72% of CPU: Stages.Compress -> <Compress>g__Encode cut below Compress, deep libcoreclr/libclrjit stacks"]
-        net8_incomplete_at_most_1_percent,
-        ASYNCWORK,
-        Net8,
-        incomplete
-    );
-    check!(
-        #[ignore = "issue 15: [unknown code] 5.80%, 15.52%, 4.75% of CPU: Stages.Render;[unknown code];String.Join (a frame between Render and String.Join)"]
-        net8_unknown_code_at_most_1_percent,
-        ASYNCWORK,
-        Net8,
-        unknown
-    );
+    check!(net8_incomplete_at_most_1_percent, ASYNCWORK, Net8, incomplete);
+    check!(net8_unknown_code_at_most_1_percent, ASYNCWORK, Net8, unknown);
     check!(net8_pool_work_rooted_under_worker_start, ASYNCWORK, Net8, rooted);
     check!(net8_pairs_and_roots_agree_with_do_stack_snapshot, ASYNCWORK, Net8, referee);
     check!(
@@ -720,28 +654,10 @@ mod asyncwork {
 }
 
 mod taskfaults {
-    check!(
-        #[ignore = "issue 15: [incomplete stack] 4.49%, 2.51%, 5.05% of CPU: walks from catch funclets (Importer.Parse, Batch.ImportFaulty, <ImportFaultyAsync>d__9) through the runtime's exception dispatch (libcoreclr, EH.DispatchEx) stop there"]
-        net10_incomplete_at_most_1_percent,
-        TASKFAULTS,
-        Net10,
-        incomplete
-    );
-    check!(
-        #[ignore = "issue 15: [unknown code] 1.51%, 1.24%, 1.98% of CPU: innermost frame above Importer.Parse and its catch funclet"]
-        net10_unknown_code_at_most_1_percent,
-        TASKFAULTS,
-        Net10,
-        unknown
-    );
+    check!(net10_incomplete_at_most_1_percent, TASKFAULTS, Net10, incomplete);
+    check!(net10_unknown_code_at_most_1_percent, TASKFAULTS, Net10, unknown);
     check!(net10_pool_work_rooted_under_worker_start, TASKFAULTS, Net10, rooted);
-    check!(
-        #[ignore = "issue 15: 16.90% and 18.32% of CPU in pairs DoStackSnapshot never showed: catch funclets stacked on the frames of the throw they handle (ThrowFormatException -> Importer.Parse 11.5%, Importer.Parse -> Batch.ImportFaulty 6.3%, ExceptionDispatchInfo.Throw -> <ImportFaultyAsync>d__9.MoveNext 6.0%)"]
-        net10_pairs_and_roots_agree_with_do_stack_snapshot,
-        TASKFAULTS,
-        Net10,
-        referee
-    );
+    check!(net10_pairs_and_roots_agree_with_do_stack_snapshot, TASKFAULTS, Net10, referee);
     check!(
         #[ignore = "issue 15: 25.49% and 25.01% of CPU in pairs DoStackSnapshot never showed: catch funclets on the throw's frames (ThrowFormatException -> Importer.Parse 25.8%), EH.DispatchEx under ThrowFormatException and Importer.Parse, which DoStackSnapshot never shows"]
         net10_pairs_and_roots_agree_with_do_stack_snapshot_without_pgo,
@@ -757,28 +673,10 @@ mod taskfaults {
         Net10,
         verified
     );
-    check!(
-        #[ignore = "issue 15: [incomplete stack] 2.99%, 1.97%, 3.15% of CPU: Batch.ImportValid -> Importer.Parse -> callee samples cut below ImportValid, deep libcoreclr/libclrjit stacks"]
-        net8_incomplete_at_most_1_percent,
-        TASKFAULTS,
-        Net8,
-        incomplete
-    );
-    check!(
-        #[ignore = "issue 15: [unknown code] 1.52%, 2.04%, 0.71% of CPU: innermost frame above Importer.Parse's callees (TimedAsync -> ImportFaultyAsync -> ParseAsync chains)"]
-        net8_unknown_code_at_most_1_percent,
-        TASKFAULTS,
-        Net8,
-        unknown
-    );
+    check!(net8_incomplete_at_most_1_percent, TASKFAULTS, Net8, incomplete);
+    check!(net8_unknown_code_at_most_1_percent, TASKFAULTS, Net8, unknown);
     check!(net8_pool_work_rooted_under_worker_start, TASKFAULTS, Net8, rooted);
-    check!(
-        #[ignore = "issue 15: 10.33% and 10.04% of CPU in pairs DoStackSnapshot never showed: catch funclets stacked on the throw's frames (ExceptionDispatchInfo.Throw -> <ImportFaultyAsync>d__9.MoveNext 5.1%, ThrowFormatException -> Batch.ImportFaulty 3.8%, ThrowFormatException -> Importer.Parse)"]
-        net8_pairs_and_roots_agree_with_do_stack_snapshot,
-        TASKFAULTS,
-        Net8,
-        referee
-    );
+    check!(net8_pairs_and_roots_agree_with_do_stack_snapshot, TASKFAULTS, Net8, referee);
     check!(
         #[ignore = "issue 15: 9.42% and 7.16% of CPU in pairs DoStackSnapshot never showed: catch funclets stacked on the throw's frames (ThrowFormatException -> Importer.Parse 15.2% before the leaf rule, ThrowFormatException -> Batch.ImportFaulty 4.1%)"]
         net8_pairs_and_roots_agree_with_do_stack_snapshot_without_pgo,
@@ -787,33 +685,15 @@ mod taskfaults {
         referee_without_pgo
     );
     check!(net8_measured_shares_within_5_points, TASKFAULTS, Net8, shares);
-    check!(
-        #[ignore = "issue 15: 58 of 62, 78 of 84, 74 of 79 walks identical: in a catch funclet the signal walk goes on through the throw's frames ([Parse, ThrowFormatException, Int32.Parse, Parse, ImportFaulty, ...] where DoStackSnapshot has [Parse, ImportFaulty, ...])"]
-        net8_walks_verified_at_the_same_instant,
-        TASKFAULTS,
-        Net8,
-        verified
-    );
+    check!(net8_walks_verified_at_the_same_instant, TASKFAULTS, Net8, verified);
 }
 
 /// The bundled example: two dedicated threads (no thread pool, no shares of
 /// its own).
 mod busy_example {
     check!(net10_incomplete_at_most_1_percent, BUSY, Net10, incomplete);
-    check!(
-        #[ignore = "issue 15: [unknown code] 10.27%, 7.22%, 9.42% of CPU: OrderParser.Parse;[unknown code];String.SplitInternal and ParseItems;[unknown code];SplitInternal (a frame between them; some such stacks start at SplitInternal)"]
-        net10_unknown_code_at_most_1_percent,
-        BUSY,
-        Net10,
-        unknown
-    );
-    check!(
-        #[ignore = "issue 15: 0.37% and 1.08% of CPU in pairs or roots DoStackSnapshot never showed (root String.SplitInternal 0.43%: stacks cut at the [unknown code] above it; Int32.Parse -> NumberFormatInfo.GetProviderNonNull 0.38%)"]
-        net10_pairs_and_roots_agree_with_do_stack_snapshot,
-        BUSY,
-        Net10,
-        referee
-    );
+    check!(net10_unknown_code_at_most_1_percent, BUSY, Net10, unknown);
+    check!(net10_pairs_and_roots_agree_with_do_stack_snapshot, BUSY, Net10, referee);
     check!(
         #[ignore = "issue 15: 4.48% and 4.41% of CPU in pairs DoStackSnapshot never showed (StringBuilder.Append -> AppendWithExpansion 1.9%, AppendWithExpansion -> ExpandByABlock 1.9%, Serialize -> Decimal.ToString 0.5%, ...)"]
         net10_pairs_and_roots_agree_with_do_stack_snapshot_without_pgo,
@@ -821,40 +701,10 @@ mod busy_example {
         Net10,
         referee_without_pgo
     );
-    check!(
-        #[ignore = "issue 15: 46 of 47 walks identical in one run of four (19/19, 27/27, 21/21 in the others): a signal walk with no managed frame where DoStackSnapshot had ReceiptSerializer.Serialize <- ProcessBatch <- RunUntil <- <Main>b__0 <- Thread.StartCallback"]
-        net10_walks_verified_at_the_same_instant,
-        BUSY,
-        Net10,
-        verified
-    );
-    check!(
-        #[ignore = "issue 15: [incomplete stack] 0.76%, 0.29%, 1.10% of CPU in three runs"]
-        net8_incomplete_at_most_1_percent,
-        BUSY,
-        Net8,
-        incomplete
-    );
-    check!(
-        #[ignore = "issue 15: [unknown code] 2.29%, 2.38%, 1.64% of CPU: innermost frame above OrderParser.Parse, PricingEngine.LookupPrice, ReceiptSerializer.Serialize, Decimal.ToString"]
-        net8_unknown_code_at_most_1_percent,
-        BUSY,
-        Net8,
-        unknown
-    );
-    check!(
-        #[ignore = "issue 15: 0.24% and 2.53% of CPU in pairs DoStackSnapshot never showed (OrderParser.ParseItems -> String.Split 0.79%, StringBuilder.Append -> AppendWithExpansion 0.52%, ...); an earlier run showed PricingEngine.Price -> PricingEngine.Price, a recursion the program does not have"]
-        net8_pairs_and_roots_agree_with_do_stack_snapshot,
-        BUSY,
-        Net8,
-        referee
-    );
+    check!(net10_walks_verified_at_the_same_instant, BUSY, Net10, verified);
+    check!(net8_incomplete_at_most_1_percent, BUSY, Net8, incomplete);
+    check!(net8_unknown_code_at_most_1_percent, BUSY, Net8, unknown);
+    check!(net8_pairs_and_roots_agree_with_do_stack_snapshot, BUSY, Net8, referee);
     check!(net8_pairs_and_roots_agree_with_do_stack_snapshot_without_pgo, BUSY, Net8, referee_without_pgo);
-    check!(
-        #[ignore = "issue 15: 26 of 27 walks identical in one run of three (28/28, 27/27 in the others): a signal walk with no managed frame where DoStackSnapshot had LookupPrice <- Price <- ProcessBatch <- RunUntil <- <Main>b__0"]
-        net8_walks_verified_at_the_same_instant,
-        BUSY,
-        Net8,
-        verified
-    );
+    check!(net8_walks_verified_at_the_same_instant, BUSY, Net8, verified);
 }

@@ -275,12 +275,19 @@ impl Service {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        Service::start_command(cmd)
+        Service::start_command_ready(cmd)
     }
 
     /// Any command that keeps the handshake (`ready <pid>`, then
     /// `heartbeat` lines): a published app's own executable, for one.
-    pub fn start_command(mut cmd: Command) -> Service {
+    pub fn start_command(cmd: Command) -> Service {
+        let (service, rest) = Service::start_command_ready(cmd);
+        assert!(rest.is_empty(), "unexpected words after the pid in the ready line: {rest:?}");
+        service
+    }
+
+    /// [`Service::start_command`], with the words after the pid.
+    pub fn start_command_ready(mut cmd: Command) -> (Service, Vec<String>) {
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null());
         let mut child = cmd.spawn().unwrap();
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
