@@ -1,10 +1,24 @@
-# Sourced by the other scripts: sets CARGO_SOURCE, the arguments that make
-# cargo build from the vendored crates in ../shared/vendor/crates when that
-# folder is there (machines without a crate registry), and nothing otherwise.
+# Sourced by the other scripts. Where a folder ../shared/vendor/crates holds
+# the crates (machines without a crate registry), writes .cargo/config.toml
+# (ignored by git) so that every cargo command run in the project, `cargo
+# fmt`'s own `cargo metadata` included, builds from it offline. Elsewhere it
+# does nothing and cargo uses its registry. CARGO_SOURCE stays for callers
+# that pass it (it is empty).
 CARGO_SOURCE=()
-_vendor="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/shared/vendor/crates"
+_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+_vendor="$(cd "$_root/.." && pwd)/shared/vendor/crates"
 if [ -d "$_vendor" ]; then
-    CARGO_SOURCE=(--config "source.crates-io.replace-with='vendored'"
-                  --config "source.vendored.directory='$_vendor'" --offline)
+    mkdir -p "$_root/.cargo"
+    cat >"$_root/.cargo/config.toml" <<TOML
+# Written by scripts/cargo-source.sh: build from the vendored crates.
+[source.crates-io]
+replace-with = "vendored"
+
+[source.vendored]
+directory = "$_vendor"
+
+[net]
+offline = true
+TOML
 fi
-unset _vendor
+unset _root _vendor
