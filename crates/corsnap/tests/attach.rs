@@ -216,7 +216,10 @@ fn attach_errors_say_what_is_wrong() {
     assert_fails_with(&["record", "--pid", &no_diag.pid.to_string(), "-o", out], &["DOTNET_EnableDiagnostics=0"]);
     drop(no_diag);
 
-    // A process already profiled (here by corsnap at start-up) cannot take a second profiler.
+    // A process already profiled (here by corsnap at start-up) cannot take a
+    // second profiler; that it is corsnap is seen before the runtime is
+    // asked (the runtime's own refusal, "another profiler", would leave the
+    // agent loaded for good).
     let launched_log = dir.join("launched.log");
     let dll = compiled("service", Runtime::Net10);
     let mut launched = Command::new(corsnap_bin())
@@ -236,7 +239,7 @@ fn attach_errors_say_what_is_wrong() {
     let mut ready = String::new();
     BufReader::new(launched.stdout.as_mut().unwrap()).read_line(&mut ready).unwrap();
     let pid: u32 = ready.trim().strip_prefix("ready ").unwrap_or_else(|| panic!("{ready:?}")).parse().unwrap();
-    assert_fails_with(&["record", "--pid", &pid.to_string(), "-o", out], &["another profiler"]);
+    assert_fails_with(&["record", "--pid", &pid.to_string(), "-o", out], &["corsnap's agent is already loaded"]);
     let _ = Command::new("kill").arg(pid.to_string()).status();
     let _ = launched.wait();
 }
