@@ -16,4 +16,4 @@ cargo "${CARGO_SOURCE[@]}" clippy --release --workspace --all-targets --quiet --
 # must be built (cargo test alone would not build the cdylib).
 cargo "${CARGO_SOURCE[@]}" build --release --workspace --quiet
 # Two at a time: the machines have two cores and the tests measure proportions.
-cargo "${CARGO_SOURCE[@]}" test --release --workspace -- --test-threads=2
+cargo "${CARGO_SOURCE[@]}" test --release --workspace --no-fail-fast -- --test-threads=2
