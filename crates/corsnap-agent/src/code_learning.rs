@@ -405,3 +405,17 @@ pub fn ready_to_run_image(base: u64) -> Option<ManagedCode> {
         frameless: false,
     })
 }
+
+/// `System.Private.CoreLib`'s ReadyToRun image, when the runtime mapped it
+/// from its file (not from a single-file bundle, where it is learned from
+/// the first address met in it, as any image).
+pub fn corelib_image() -> Option<ManagedCode> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    let base = maps.lines().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        let start = fields.next()?.split_once('-')?.0;
+        let path = fields.nth(4)?;
+        path.ends_with("/System.Private.CoreLib.dll").then(|| u64::from_str_radix(start, 16).ok()).flatten()
+    })?;
+    ready_to_run_image(base)
+}

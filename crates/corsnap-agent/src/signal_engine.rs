@@ -261,6 +261,13 @@ impl SignalEngine {
         };
         engine.own_tids.insert(corsnap_abi::current_os_tid());
         engine.refresh_modules();
+        // CoreLib's precompiled code is under nearly every stack, and first
+        // met under the deepest ones (the JIT at start-up), deeper than a
+        // stack copy reaches: learned now, it is never met unknown.
+        if let Some(corelib) = crate::code_learning::corelib_image() {
+            engine.learner.images_learned += 1;
+            engine.add_managed(corelib);
+        }
         engine.scan_threads();
         if let Some(s) = &engine.sampler {
             s.set_enabled(engine.enabled);
