@@ -554,11 +554,12 @@ pub(crate) fn launch_with_output(
         }
         // Watch for the runtime: its library in the program's memory, or its
         // diagnostics socket (a single-file program has the runtime linked in).
+        // A native AOT program has a diagnostics socket too: what it runs
+        // is looked at first, and decides.
         if !runtime_seen && last_look.elapsed() >= Duration::from_millis(50) {
             last_look = Instant::now();
-            runtime_seen = runtime_started(pid);
             let now = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
-            if !runtime_seen && now.is_some() && now != exe {
+            if now.is_some() && now != exe {
                 native_aot = corsnap::native_aot::process_is_native_aot(pid);
                 exe = now;
                 if native_aot && !reported {
@@ -568,11 +569,12 @@ pub(crate) fn launch_with_output(
                     eprintln!("corsnap: {}; it runs on without profiling", corsnap::native_aot::message(&shown));
                 }
             }
+            runtime_seen = !native_aot && runtime_started(pid);
         }
         match child.try_wait() {
             Ok(Some(status)) => {
                 exited = Some(status);
-                runtime_seen |= runtime_started(pid);
+                runtime_seen |= !native_aot && runtime_started(pid);
                 Some(if native_aot && !runtime_seen {
                     let shown = exe.as_deref().map_or(name.clone(), |e| e.display().to_string());
                     format!(
