@@ -55,8 +55,17 @@ fn the_agent_socket_its_directory_and_the_agent_log_are_private() {
     // nobody else can reach them, and a corsnap killed now leaves nothing.
     // (Their modes while corsnap waits, 0600 in 0700, are checked by
     // tests/leftovers.rs.)
-    assert!(!socket.exists(), "the socket is removed once the agent has connected");
-    assert!(!socket.parent().unwrap().exists(), "and so is its directory");
+    // (The agent writes its log as it connects; corsnap removes them right
+    // after it accepts the connection.)
+    let gone = |p: &std::path::Path| {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while p.exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        !p.exists()
+    };
+    assert!(gone(&socket), "the socket is removed once the agent has connected");
+    assert!(gone(socket.parent().unwrap()), "and so is its directory");
     let log_meta = std::fs::metadata(&log).unwrap();
     assert_eq!(log_meta.permissions().mode() & 0o777, 0o600, "agent log");
     let me = std::fs::metadata("/proc/self").unwrap().uid();
