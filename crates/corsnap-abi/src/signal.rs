@@ -686,11 +686,10 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
     let splice_words = walk
         .splice
         .map(|(_, at)| (((at.sp.saturating_sub(regs.sp)) / 8) as usize + SPLICE_SLACK_WORDS).min(stack_words));
-    let copy_words = deep_words;
     let min_copy_words = splice_words.unwrap_or(deep_words).min(deep_words);
     let copy = (walk.flags & corsnap_unwind::flags::UNKNOWN_CODE != 0).then_some(StackToCopy {
         regs,
-        words: copy_words,
+        words: deep_words,
         min_words: min_copy_words,
         memory: &memory,
         undone_hijack: walk.undone_hijack,

@@ -121,14 +121,10 @@ fn frameless_stub(range: std::ops::Range<u64>, kind: u64) -> ManagedCode {
 /// generates) that holds `ip`, if any.
 fn runtime_code_mapping(ip: u64) -> Option<std::ops::Range<u64>> {
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    maps.lines().find_map(|line| {
-        let mut fields = line.split_whitespace();
-        let (start, end) = fields.next()?.split_once('-')?;
-        let range = u64::from_str_radix(start, 16).ok()?..u64::from_str_radix(end, 16).ok()?;
-        let perms = fields.next()?;
-        let path = fields.nth(3).unwrap_or("");
-        (range.contains(&ip) && perms.contains('x') && path.starts_with("/memfd:doublemapper")).then_some(range)
-    })
+    corsnap_unwind::process::parse_maps(&maps)
+        .into_iter()
+        .find(|m| m.range.contains(&ip) && m.executable && m.path.starts_with("/memfd:doublemapper"))
+        .map(|m| m.range)
 }
 
 impl CodeLearner {
@@ -411,11 +407,11 @@ pub fn ready_to_run_image(base: u64) -> Option<ManagedCode> {
 /// the first address met in it, as any image).
 pub fn corelib_image() -> Option<ManagedCode> {
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    let base = maps.lines().find_map(|line| {
-        let mut fields = line.split_whitespace();
-        let start = fields.next()?.split_once('-')?.0;
-        let path = fields.nth(4)?;
-        path.ends_with("/System.Private.CoreLib.dll").then(|| u64::from_str_radix(start, 16).ok()).flatten()
-    })?;
+    // The lowest mapping of the file is the image's base.
+    let base = corsnap_unwind::process::parse_maps(&maps)
+        .into_iter()
+        .find(|m| m.path.ends_with("/System.Private.CoreLib.dll"))?
+        .range
+        .start;
     ready_to_run_image(base)
 }

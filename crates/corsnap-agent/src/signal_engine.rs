@@ -580,11 +580,7 @@ impl SignalEngine {
                 let a = lookup_address(f);
                 if self.map.managed_at(a).is_none() && self.map.native_at(a).is_none() {
                     let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
-                    let line = maps.lines().find(|l| {
-                        let r = l.split_whitespace().next().unwrap_or("");
-                        let (x, y) = r.split_once('-').unwrap_or(("0", "0"));
-                        (u64::from_str_radix(x, 16).unwrap_or(0)..u64::from_str_radix(y, 16).unwrap_or(0)).contains(&a)
-                    });
+                    let line = corsnap_unwind::process::parse_maps(&maps).into_iter().find(|m| m.range.contains(&a));
                     let code = corsnap_abi::process::read_own_bytes(a & !0xf, 48);
                     log::write(format_args!("unknown leaf {a:#x} in {line:?}: {:02x?}", code));
                 }
