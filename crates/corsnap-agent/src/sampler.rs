@@ -77,6 +77,18 @@ impl Channel {
             return Err(io::Error::new(io::ErrorKind::PermissionDenied, format!("socket owned by uid {peer_uid}")));
         }
         stream.set_write_timeout(Some(Duration::from_secs(5)))?;
+        // Connected: the socket (and corsnap's private directory holding
+        // it) has served its purpose. corsnap removes them once it accepts;
+        // removed here too, a corsnap killed in between leaves nothing.
+        let path = std::path::Path::new(path);
+        let in_corsnap_dir =
+            path.parent().and_then(|d| d.file_name()).is_some_and(|n| n.to_string_lossy().starts_with("corsnap-"));
+        if in_corsnap_dir {
+            let _ = std::fs::remove_file(path);
+            if let Some(dir) = path.parent() {
+                let _ = std::fs::remove_dir(dir);
+            }
+        }
         Ok(Channel { stream, pending: Vec::with_capacity(64 * 1024), sends: 0 })
     }
 
