@@ -844,25 +844,35 @@ pub fn signal_name(signal: i32) -> String {
     format!("{name} (signal {signal})")
 }
 
+/// The agent library to load: `--agent` (tests), `$CORSNAP_AGENT`, the
+/// one beside the `corsnap` binary (a `cargo build` tree), or else the one
+/// this binary carries, written out (`embedded_agent`).
 pub fn find_agent(explicit: Option<&Path>) -> Result<PathBuf> {
-    let candidate = match explicit {
-        Some(p) => p.to_path_buf(),
-        None => match std::env::var_os(ENV_AGENT_PATH) {
-            Some(p) => PathBuf::from(p),
-            None => {
-                let exe = std::env::current_exe().context("locating the corsnap binary")?;
-                exe.parent().map(|d| d.join(AGENT_FILE_NAME)).context("locating the corsnap binary's directory")?
-            }
-        },
-    };
-    if !candidate.is_file() {
-        bail!(
-            "cannot find the corsnap agent at {}: build it with `cargo build --release` (it is installed next to \
-             the corsnap binary), or point {ENV_AGENT_PATH} at libcorsnap_agent.so",
-            candidate.display()
-        );
+    let named = explicit.map(Path::to_path_buf).or_else(|| std::env::var_os(ENV_AGENT_PATH).map(PathBuf::from));
+    if let Some(candidate) = named {
+        if !candidate.is_file() {
+            bail!(
+                "cannot find the corsnap agent at {} (named by {ENV_AGENT_PATH}): point it at a \
+                 libcorsnap_agent.so, or unset it to use the agent inside corsnap",
+                candidate.display()
+            );
+        }
+        return Ok(absolute(&candidate));
     }
-    Ok(absolute(&candidate))
+    let exe = std::env::current_exe().context("locating the corsnap binary")?;
+    let beside = exe.parent().map(|d| d.join(AGENT_FILE_NAME)).context("locating the corsnap binary's directory")?;
+    if beside.is_file() {
+        return Ok(absolute(&beside));
+    }
+    if crate::embedded_agent::available() {
+        return crate::embedded_agent::install();
+    }
+    bail!(
+        "cannot find the corsnap agent at {}: this corsnap was built without its agent inside \
+         (CORSNAP_EMBED_AGENT=0); build it with `cargo build --release`, or point {ENV_AGENT_PATH} at \
+         libcorsnap_agent.so",
+        beside.display()
+    )
 }
 
 pub fn absolute(path: &Path) -> PathBuf {
