@@ -230,7 +230,10 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     let outputs = Outputs::create(&output_path, options.format, &options.events)?;
     // On any error from here on, dropping `outputs` removes its temporary
     // files: nothing is left under the output's name.
-    let listener = Listener::new()?;
+    let listener = match options.target {
+        Target::Attach(pid) => Listener::for_process(pid)?,
+        Target::Launch(_) => Listener::new()?,
+    };
     let interrupted = StopSignals::install()?;
     let (mut process, mut connection, command_line) = match &options.target {
         Target::Launch(program) => match launch(program, &agent, &listener, options, &interrupted) {

@@ -484,7 +484,10 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
     if let Target::Attach(pid) = options.target {
         crate::diagnostics::find_socket(pid)?;
     }
-    let listener = Listener::new()?;
+    let listener = match options.target {
+        Target::Attach(pid) => Listener::for_process(pid)?,
+        Target::Launch(_) => Listener::new()?,
+    };
     let signals = StopSignals::install()?;
     let mut program_output = None;
     let (connection, title, child) = match &options.target {
