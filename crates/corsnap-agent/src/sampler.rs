@@ -69,7 +69,9 @@ pub struct Channel {
 }
 
 impl Channel {
-    pub fn connect(path: &str) -> io::Result<Channel> {
+    /// `shared`: other processes connect to the same socket (`record
+    /// --subprocesses`), so it stays where it is.
+    pub fn connect(path: &str, shared: bool) -> io::Result<Channel> {
         let stream = UnixStream::connect(path)?;
         // Only the user we run as may steer us, or root (`sudo corsnap
         // record --pid`), who may do anything to this process anyway.
@@ -84,7 +86,7 @@ impl Channel {
         let path = std::path::Path::new(path);
         let in_corsnap_dir =
             path.parent().and_then(|d| d.file_name()).is_some_and(|n| n.to_string_lossy().starts_with("corsnap-"));
-        if in_corsnap_dir {
+        if in_corsnap_dir && !shared {
             let _ = std::fs::remove_file(path);
             if let Some(dir) = path.parent() {
                 let _ = std::fs::remove_dir(dir);

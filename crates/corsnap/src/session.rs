@@ -26,6 +26,9 @@ pub struct Listener {
     listener: UnixListener,
     /// The user whose process is to connect.
     peer_uid: u32,
+    /// The program's child processes connect too (`record --subprocesses`):
+    /// the socket stays until corsnap ends.
+    shared: bool,
 }
 
 /// What the reader thread reports. Messages dominate, and most are small
@@ -95,7 +98,27 @@ impl Listener {
                 .with_context(|| format!("handing {} to uid {peer_uid}", path.display()))?;
         }
         listener.set_nonblocking(true)?;
-        Ok(Listener { dir, path, listener, peer_uid })
+        Ok(Listener { dir, path, listener, peer_uid, shared: false })
+    }
+
+    /// Keeps the socket after the first connection, for the program's
+    /// child processes ([`Listener::accept_descendant`]).
+    pub fn share_with_descendants(&mut self) {
+        self.shared = true;
+    }
+
+    /// A connection from a descendant of process `root` (of the same user),
+    /// if one is waiting; any other is hung up on. Never blocks.
+    pub fn accept_descendant(&self, root: u32) -> Option<(u32, AgentConnection)> {
+        loop {
+            let (stream, _) = self.listener.accept().ok()?;
+            match corsnap_abi::peer_credentials(&stream) {
+                Ok((pid, uid)) if uid == self.peer_uid && descends_from(pid, root) => {
+                    return AgentConnection::start(stream).ok().map(|c| (pid, c));
+                }
+                _ => drop(stream),
+            }
+        }
     }
 
     pub fn socket_path(&self) -> &Path {
@@ -120,7 +143,9 @@ impl Listener {
                         // Connected: nobody else is to connect, so the socket
                         // and its directory go now. A corsnap killed from here
                         // on (even by SIGKILL) leaves nothing behind.
-                        self.remove_files();
+                        if !self.shared {
+                            self.remove_files();
+                        }
                         return AgentConnection::start(stream);
                     }
                     // Another process (a child of the program inheriting the
@@ -137,6 +162,30 @@ impl Listener {
             }
         }
     }
+}
+
+/// Whether process `pid` is `root`'s child, grandchild, and so on.
+fn descends_from(pid: u32, root: u32) -> bool {
+    let mut current = pid;
+    for _ in 0..64 {
+        let Some(parent) = parent_of(current) else { return false };
+        if parent == root {
+            return true;
+        }
+        if parent <= 1 {
+            return false;
+        }
+        current = parent;
+    }
+    false
+}
+
+/// The parent pid of `pid`, from `/proc/PID/stat` (after the command name,
+/// which may hold spaces and parentheses: the last `)` ends it).
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// Removes the socket directories in `tmp` that a corsnap of this user left
@@ -234,6 +283,18 @@ impl AgentConnection {
 mod tests {
     use super::*;
     use std::os::unix::fs::MetadataExt;
+
+    #[test]
+    fn a_process_descends_from_its_ancestors_only() {
+        let me = std::process::id();
+        let parent = parent_of(me).unwrap();
+        assert!(descends_from(me, parent));
+        assert!(!descends_from(parent, me));
+        let mut child = std::process::Command::new("sleep").arg("5").spawn().unwrap();
+        assert!(descends_from(child.id(), me) && descends_from(child.id(), parent));
+        let _ = child.kill();
+        let _ = child.wait();
+    }
 
     #[test]
     fn a_socket_for_our_own_user_is_ours_alone() {
