@@ -51,6 +51,13 @@ fn main() {
         command.arg("--release");
     }
     command.arg("--target-dir").arg(&agent_target);
+    // A cross build (`--target`) builds the agent for the same target; the
+    // flags in CARGO_ENCODED_RUSTFLAGS are then the target's alone.
+    let target = env::var("TARGET").unwrap_or_default();
+    let cross = env::var("HOST").is_ok_and(|host| host != target);
+    if cross {
+        command.arg("--target").arg(&target);
+    }
     if env::var("CARGO_NET_OFFLINE").is_ok_and(|v| v == "true") {
         command.arg("--offline");
     }
@@ -73,7 +80,8 @@ fn main() {
     if !status.success() {
         panic!("building the corsnap agent (cargo build -p corsnap-agent) failed: {status}");
     }
-    let built = agent_target.join(if release { "release" } else { "debug" }).join("libcorsnap_agent.so");
+    let profile_dir = if cross { agent_target.join(&target) } else { agent_target.clone() };
+    let built = profile_dir.join(if release { "release" } else { "debug" }).join("libcorsnap_agent.so");
     let bytes = std::fs::read(&built).unwrap_or_else(|e| panic!("reading the built agent {}: {e}", built.display()));
     std::fs::write(&embedded, &bytes).unwrap_or_else(|e| panic!("writing {}: {e}", embedded.display()));
     // The name the agent gets when corsnap writes it out: content-addressed,
