@@ -213,6 +213,7 @@ impl SignalEngine {
             signal::InstallError::Os(e) => format!("cannot install the sampling signal handler: {e}"),
         })?;
         let mono_epoch_ns = signal::monotonic_ns().saturating_sub(shared.now_ns());
+        let symbols = Symbolizer::with_search_dirs(&shared.symbol_dirs);
         let learner = CodeLearner::new(shared.info, layout);
         let mut engine = SignalEngine {
             shared,
@@ -236,7 +237,7 @@ impl SignalEngine {
             map_dirty: true,
             sigreturn: SignalSampler::sigreturn_trampoline(),
             learner,
-            symbols: Symbolizer::default(),
+            symbols,
             frame_ids: HashMap::new(),
             stack_ids: HashMap::new(),
             pending_names: Vec::new(),
