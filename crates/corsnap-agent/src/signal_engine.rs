@@ -27,7 +27,9 @@ use std::time::{Duration, Instant};
 use corsnap_abi::signal::{self, SignalSampler, SlotId};
 use corsnap_abi::FunctionID;
 use corsnap_unwind::process::{native_module, parse_maps, stack_ranges, LoadedElf};
-use corsnap_unwind::{flags, lookup_address, CodeMap, ManagedCode, NativeModule};
+use corsnap_unwind::{
+    flags, lookup_address, parse_hijack_stub, CodeMap, HijackStub, ManagedCode, NativeModule, HIJACK_STUB_START,
+};
 use corsnap_wire::{SamplerStats, NATIVE_FRAME_BIT};
 
 use crate::code_learning::{CodeLearner, Learned, STUB_TAG};
@@ -149,6 +151,8 @@ pub struct SignalEngine {
     map: Arc<CodeMap>,
     map_dirty: bool,
     sigreturn: u64,
+    /// The runtime's hijack trampoline, once found.
+    hijack_stub: Option<HijackStub>,
     learner: CodeLearner,
     symbols: Symbolizer,
     /// Address (as looked up) to frame id.
@@ -236,6 +240,7 @@ impl SignalEngine {
             map: Arc::new(CodeMap::default()),
             map_dirty: true,
             sigreturn: SignalSampler::sigreturn_trampoline(),
+            hijack_stub: None,
             learner,
             symbols,
             frame_ids: HashMap::new(),
@@ -576,7 +581,7 @@ impl SignalEngine {
                     format!("{f:#x}({what})")
                 })
                 .collect();
-            log::write(format_args!("walk flags {walk_flags:#x}: {}", desc.join(" ")));
+            log::write(format_args!("walk flags {walk_flags:#x}, thread {tid}: {}", desc.join(" ")));
             for &f in raw.iter().take(1) {
                 let a = lookup_address(f);
                 if self.map.managed_at(a).is_none() && self.map.native_at(a).is_none() {
@@ -848,6 +853,15 @@ impl SignalEngine {
         self.loader_counters = counters;
         let mut natives = Vec::new();
         for o in &objects {
+            if self.hijack_stub.is_none() && !self.native_cache.contains_key(&(o.name.clone(), o.bias)) {
+                self.hijack_stub = find_hijack_stub(o);
+                if let Some(stub) = &self.hijack_stub {
+                    log::write(format_args!(
+                        "the runtime's hijack trampoline: {:#x}..{:#x}",
+                        stub.range.start, stub.range.end
+                    ));
+                }
+            }
             let entry = self.native_cache.entry((o.name.clone(), o.bias)).or_insert_with(|| {
                 let elf =
                     LoadedElf { name: &o.name, bias: o.bias, segments: &o.segments, eh_frame_hdr: o.eh_frame_hdr };
@@ -948,7 +962,8 @@ impl SignalEngine {
     }
 
     fn publish(&mut self) {
-        let map = CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn);
+        let map = CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn)
+            .with_hijack_stub(self.hijack_stub.clone());
         self.managed = map.managed().to_vec();
         self.map = Arc::new(map);
         // While draining, the sampler is out of its place: the handler gets
@@ -965,6 +980,39 @@ impl SignalEngine {
 
 fn interval_ns(hz: u32) -> u64 {
     1_000_000_000 / u64::from(hz.clamp(1, crate::MAX_RATE_HZ))
+}
+
+/// The runtime's hijack trampoline, if `object` is the runtime (libcoreclr,
+/// or an executable it is linked into: a single-file app): found by its
+/// first bytes in the executable segments, and kept only if its whole shape
+/// is the one [`parse_hijack_stub`] knows. Read once per module, on the
+/// agent's thread.
+fn find_hijack_stub(object: &corsnap_abi::process::LoadedObject) -> Option<HijackStub> {
+    let runtime_candidate = object.name.is_empty() || object.name.ends_with("/libcoreclr.so");
+    if !runtime_candidate {
+        return None;
+    }
+    let mut found = None;
+    for &(stated, size, executable) in &object.segments {
+        if !executable || size == 0 || size > 256 << 20 {
+            continue;
+        }
+        let start = object.bias.wrapping_add(stated);
+        let Some(code) = corsnap_abi::process::read_own_bytes(start, size as usize) else { continue };
+        let mut from = 0;
+        while let Some(at) = code[from..].windows(HIJACK_STUB_START.len()).position(|w| w == HIJACK_STUB_START) {
+            let offset = from + at;
+            if let Some(stub) = parse_hijack_stub(&code[offset..], start + offset as u64) {
+                if found.is_some() {
+                    // Two of them: which one the runtime uses is not known.
+                    return None;
+                }
+                found = Some(stub);
+            }
+            from = offset + 1;
+        }
+    }
+    found
 }
 
 /// The agent's own threads are named `corsnap-…`.
