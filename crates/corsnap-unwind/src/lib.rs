@@ -656,7 +656,8 @@ fn unknown_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool) -> S
 
 /// Out of the hijack trampoline, from the return site of its call (the only
 /// place its slot surely holds the real return address, which is into
-/// managed code: only managed methods are hijacked).
+/// managed code: only managed methods are hijacked, and the worker fills
+/// the slot first thing).
 fn hijack_stub_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool, stub: &HijackStub) -> Step {
     if exact || regs.ip != stub.call_return {
         return Step::Lost;
@@ -665,7 +666,10 @@ fn hijack_stub_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool, 
     else {
         return Step::Lost;
     };
-    if map.managed_at(ip).is_none() {
+    // Into managed code, or into code not known yet (a method body not
+    // learned yet, which the walk then treats as unknown code); never into
+    // a native module.
+    if ip == 0 || (map.managed_at(ip).is_none() && map.native_at(ip).is_some()) {
         return Step::Lost;
     }
     Step::Next(Regs { ip, sp: regs.sp + stub.return_slot + 8, bp })
