@@ -28,6 +28,7 @@
 
 #![forbid(unsafe_code)]
 
+mod hijack;
 pub mod process;
 
 use std::ops::Range;
@@ -36,6 +37,8 @@ use std::sync::Arc;
 use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64};
 use framehop::{ExplicitModuleSectionInfo, FrameAddress, Module, MustNotAllocateDuringUnwind, Unwinder};
 use pe_unwind_info::x86_64::{FunctionTableEntries, Register, UnwindState, XmmRegister};
+
+pub use hijack::{parse_hijack_stub, HijackStub, HIJACK_STUB_START};
 
 /// Section bytes owned by the map (copied out of the process's memory or
 /// files before any walk can see them).
@@ -239,6 +242,9 @@ pub struct CodeMap {
     /// glibc's `__restore_rt`: a return address equal to it marks a signal
     /// frame. 0 if unknown.
     sigreturn: u64,
+    /// The runtime's hijack trampoline, stepped over by its prologue rather
+    /// than by its (misleading) CFI.
+    hijack_stub: Option<HijackStub>,
 }
 
 impl std::fmt::Debug for CodeMap {
@@ -279,7 +285,13 @@ impl CodeMap {
             kept.push(m);
         }
         stacks.sort_by_key(|r| r.start);
-        CodeMap { natives, unwinder, managed: kept, stacks, sigreturn }
+        CodeMap { natives, unwinder, managed: kept, stacks, sigreturn, hijack_stub: None }
+    }
+
+    /// The map, knowing where the runtime's hijack trampoline is.
+    pub fn with_hijack_stub(mut self, stub: Option<HijackStub>) -> CodeMap {
+        self.hijack_stub = stub;
+        self
     }
 
     pub fn natives(&self) -> &[NativeModule] {
@@ -440,6 +452,8 @@ pub fn walk_until<M: Memory>(
                     unknown_step(map, mem, regs, exact)
                 }
             }
+        } else if let Some(stub) = map.hijack_stub.as_ref().filter(|s| s.range.contains(&lookup)) {
+            hijack_stub_step(map, mem, regs, exact, stub)
         } else if map.native_at(lookup).is_some() {
             native_step(map, mem, regs, exact, cache)
         } else {
@@ -638,6 +652,27 @@ fn unknown_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool) -> S
         }
     }
     frame_pointer_step(mem, regs)
+}
+
+/// Out of the hijack trampoline, from the return site of its call (the only
+/// place its slot surely holds the real return address, which is into
+/// managed code: only managed methods are hijacked, and the worker fills
+/// the slot first thing).
+fn hijack_stub_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool, stub: &HijackStub) -> Step {
+    if exact || regs.ip != stub.call_return {
+        return Step::Lost;
+    }
+    let (Some(ip), Some(bp)) = (mem.stack_word(regs.sp + stub.return_slot), mem.stack_word(regs.sp + stub.saved_bp))
+    else {
+        return Step::Lost;
+    };
+    // Into managed code, or into code not known yet (a method body not
+    // learned yet, which the walk then treats as unknown code); never into
+    // a native module.
+    if ip == 0 || (map.managed_at(ip).is_none() && map.native_at(ip).is_some()) {
+        return Step::Lost;
+    }
+    Step::Next(Regs { ip, sp: regs.sp + stub.return_slot + 8, bp })
 }
 
 /// A runtime stub ([`ManagedCode::frameless`]): at the leaf, the return

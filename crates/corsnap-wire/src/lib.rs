@@ -61,6 +61,9 @@ pub const ENV_SAMPLER: &str = "CORSNAP_SAMPLER";
 /// When `1`, the signal engine samples with POSIX CPU timers, not perf
 /// events (`--cpu-clock timer`).
 pub const ENV_NO_PERF_EVENTS: &str = "CORSNAP_NO_PERF_EVENTS";
+/// Folders a launched agent searches for native debug files (`--symbols`),
+/// separated by newlines (a path may hold a `:`).
+pub const ENV_SYMBOLS: &str = "CORSNAP_SYMBOLS";
 
 /// How CPU samples are taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -795,6 +798,8 @@ pub struct AttachRequest {
     pub sampler: SamplerKind,
     /// The signal engine's clock: POSIX timers instead of perf events.
     pub timers: bool,
+    /// Folders to search for native debug files (`--symbols`), absolute.
+    pub symbols: Vec<String>,
 }
 
 const ATTACH_MAGIC: &str = "corsnap-attach-v1";
@@ -813,6 +818,9 @@ impl AttachRequest {
         }
         if let Some(log) = &self.log {
             s.push_str(&format!("log={log}\n"));
+        }
+        for dir in &self.symbols {
+            s.push_str(&format!("symbols={dir}\n"));
         }
         s.into_bytes()
     }
@@ -835,6 +843,7 @@ impl AttachRequest {
         let mut max_pause_ppm = DEFAULT_MAX_PAUSE_PPM;
         let mut sampler = SamplerKind::Suspend;
         let mut timers = false;
+        let mut symbols = Vec::new();
         for line in lines {
             match line.split_once('=')? {
                 ("socket", v) if !v.is_empty() => socket = Some(v.to_string()),
@@ -845,10 +854,20 @@ impl AttachRequest {
                 ("sampler", v) => sampler = SamplerKind::parse(v)?,
                 ("clock", "timer") => timers = true,
                 ("clock", "perf") => timers = false,
+                ("symbols", v) if !v.is_empty() => symbols.push(v.to_string()),
                 _ => return None,
             }
         }
-        Some(AttachRequest { socket: socket?, rate_hz: rate?, events: events?, max_pause_ppm, log, sampler, timers })
+        Some(AttachRequest {
+            socket: socket?,
+            rate_hz: rate?,
+            events: events?,
+            max_pause_ppm,
+            log,
+            sampler,
+            timers,
+            symbols,
+        })
     }
 }
 
@@ -1047,6 +1066,7 @@ mod tests {
             log: Some("/tmp/a.log".into()),
             sampler: SamplerKind::Signal,
             timers: true,
+            symbols: vec!["/opt/symbols".into(), "/with:colon".into()],
         };
         assert_eq!(AttachRequest::decode(&req.encode()), Some(req.clone()));
         let suspend = AttachRequest { sampler: SamplerKind::Suspend, ..req };

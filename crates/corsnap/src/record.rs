@@ -47,6 +47,8 @@ pub struct RecordOptions {
     pub sampler: SamplerKind,
     /// The signal engine's clock: POSIX timers instead of perf events.
     pub timers: bool,
+    /// Folders of native debug files (`--symbols`), absolute.
+    pub symbol_dirs: Vec<PathBuf>,
     /// Whether native frames are shown one by one.
     pub native: NativeFrames,
     /// Whether the native frames below a thread's first managed frame fold into one.
@@ -264,6 +266,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                 log: options.agent_log.as_deref().map(|p| absolute(p).to_string_lossy().into_owned()),
                 sampler: options.sampler,
                 timers: options.timers,
+                symbols: options.symbol_dirs.iter().map(|d| d.to_string_lossy().into_owned()).collect(),
             };
             let connection = attach(*pid, &agent, &listener, &request)?;
             (Process::Attached { pid: *pid }, connection, process_command_line(*pid))
@@ -610,6 +613,10 @@ pub(crate) fn launch_with_output(
     }
     if let Some(log) = &options.agent_log {
         command.env(corsnap_wire::ENV_LOG, absolute(log));
+    }
+    if !options.symbol_dirs.is_empty() {
+        let dirs: Vec<_> = options.symbol_dirs.iter().map(|d| d.to_string_lossy()).collect();
+        command.env(corsnap_wire::ENV_SYMBOLS, dirs.join("\n"));
     }
     let mut child = command.spawn().with_context(|| format!("cannot run {}", first.to_string_lossy()))?;
     let command_line = program.iter().map(|a| a.to_string_lossy().into_owned()).collect::<Vec<_>>().join(" ");

@@ -37,6 +37,8 @@ pub struct TopOptions {
     pub rate_hz: u32,
     pub sampler: SamplerKind,
     pub timers: bool,
+    /// Folders of native debug files (`--symbols`), absolute.
+    pub symbol_dirs: Vec<PathBuf>,
     pub native: NativeFrames,
     pub roots: RootFrames,
     pub raw_names: bool,
@@ -500,6 +502,7 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
                 log: None,
                 sampler: options.sampler,
                 timers: options.timers,
+                symbols: options.symbol_dirs.iter().map(|d| d.to_string_lossy().into_owned()).collect(),
             };
             let connection = crate::record::attach(*pid, &agent, &listener, &request)?;
             let title = format!("corsnap top · pid {pid} · {}", crate::record::process_command_line(*pid));
@@ -528,6 +531,7 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
                 max_pause_ppm: corsnap_wire::DEFAULT_MAX_PAUSE_PPM,
                 sampler: options.sampler,
                 timers: options.timers,
+                symbol_dirs: options.symbol_dirs.clone(),
                 native: options.native,
                 roots: options.roots,
                 raw_names: options.raw_names,
@@ -700,6 +704,7 @@ mod tests {
             rate_hz: 100,
             sampler: SamplerKind::Signal,
             timers: false,
+            symbol_dirs: Vec::new(),
             native,
             roots,
             raw_names,
