@@ -161,7 +161,9 @@ impl Continuous {
 
     /// Starts the first window now (sampling starts now).
     pub fn restart_clock(&mut self) {
-        let now = unix_now_ns();
+        // In whole milliseconds, as pprof's start is kept: a window's start
+        // plus its duration is then exactly the next one's start.
+        let now = unix_now_ns() / 1_000_000 * 1_000_000;
         self.window_start_ns = now;
         self.window_end_ns = next_boundary(now, self.interval);
     }
@@ -202,7 +204,7 @@ impl Continuous {
 
     /// The last window, up to now, and every sink finished within `limit`.
     pub fn finish(&mut self, builder: &mut ProfileBuilder, limit: Duration) -> Vec<String> {
-        let now = unix_now_ns().max(self.window_start_ns);
+        let now = (unix_now_ns() / 1_000_000 * 1_000_000).max(self.window_start_ns);
         self.window_end_ns = now;
         self.cut_at(builder, now, u64::MAX);
         let deadline = Instant::now() + limit;
