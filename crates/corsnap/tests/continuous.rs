@@ -441,3 +441,34 @@ fn a_ring_of_three_files_keeps_the_latest_windows() {
     }
     assert!(windows.iter().filter(|w| w.2).count() >= 2, "Service.Crunch missing: {windows:?}");
 }
+
+#[test]
+fn attached_to_a_running_service_windows_go_to_pyroscope_and_the_service_runs_on() {
+    let pyroscope = Receiver::start(|_| 200);
+    let mut service = support::Service::start(&[]);
+    let pid = service.pid.to_string();
+    let out = Command::new(corsnap_bin())
+        .args(["record", "--pid", &pid, "--interval", "1s", "-d", "3.5", "--push", &pyroscope.url])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let mut windows = Vec::new();
+    while let Some(r) = pyroscope.next(Duration::from_millis(100)) {
+        let request = push::PushRequest::decode(r.body.as_slice()).unwrap();
+        let series = &request.series[0];
+        let label = |name: &str| series.labels.iter().find(|l| l.name == name).map(|l| l.value.clone());
+        // The service's name by default: the program's, not corsnap's.
+        assert_eq!(label("service_name").as_deref(), Some("service"), "{:?}", series.labels);
+        assert_eq!(label("pid"), Some(pid.clone()));
+        let w = decode_pprof(&series.samples[0].raw_profile);
+        windows.push((w.start_ns, w.duration_ns, w.functions.iter().any(|f| f == "Service.Crunch")));
+    }
+    assert!(windows.len() >= 3, "{windows:?}\n{stderr}");
+    let spans: Vec<(i64, i64)> = windows.iter().map(|w| (w.0, w.1)).collect();
+    assert_consecutive_and_aligned(&spans, 1_000_000_000);
+    assert!(windows.iter().filter(|w| w.2).count() >= windows.len() - 1, "{windows:?}");
+    // The service kept running through it and after.
+    assert!(service.is_alive(), "{}", service.describe());
+    service.wait_heartbeats(3);
+}
