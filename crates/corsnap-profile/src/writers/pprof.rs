@@ -311,6 +311,7 @@ mod tests {
             runtime_version: "8.0.4".to_string(),
             rate_hz: 100,
             start_unix_ms: 1_700_000_000_000,
+            duration_ns: 0,
             stats: None,
         });
         let main = profile.intern_frame(frame("Shop.Program.Main", "Shop.dll"));

@@ -189,9 +189,7 @@ impl Continuous {
             _ => return,
         };
         let epoch = unix_now_ns().saturating_sub(stamp);
-        if self.agent_epoch_unix_ns.map_or(true, |e| epoch < e) {
-            self.agent_epoch_unix_ns = Some(epoch);
-        }
+        self.agent_epoch_unix_ns = Some(self.agent_epoch_unix_ns.map_or(epoch, |e| e.min(epoch)));
     }
 
     /// Cuts the windows that are due (called often by the recording loop).
