@@ -261,7 +261,7 @@ impl Sink for OtlpSink {
             return Ok(());
         }
         let body = gzip(&export_request(window, &self.labels, &self.options).encode_to_vec());
-        self.uploader.send(Job { body, window: window.index });
+        self.uploader.send(Job::new(body, window.index));
         Ok(())
     }
 

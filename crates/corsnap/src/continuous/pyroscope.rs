@@ -214,7 +214,7 @@ impl Sink for PyroscopeSink {
                 notes.join("; ")
             );
         }
-        self.uploader.send(Job { body, window: window.index });
+        self.uploader.send(Job::new(body, window.index));
         Ok(())
     }
 

@@ -25,12 +25,23 @@ pub const DEFAULT_QUEUE_BYTES: usize = 8 << 20;
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often, at most, a failing backend is reported while it keeps failing.
 const REPORT_EVERY: Duration = Duration::from_secs(60);
+/// A window queued longer than this is dropped unsent: Pyroscope refuses
+/// profiles more than an hour old, and a backlog that old helps nobody.
+const MAX_AGE: Duration = Duration::from_secs(55 * 60);
 
 /// One request body waiting to be sent.
 #[derive(Debug)]
 pub struct Job {
     pub body: Vec<u8>,
     pub window: u64,
+    /// When it was queued.
+    pub queued: Instant,
+}
+
+impl Job {
+    pub fn new(body: Vec<u8>, window: u64) -> Job {
+        Job { body, window, queued: Instant::now() }
+    }
 }
 
 /// A FIFO bounded in bytes: pushing past the bound drops the oldest jobs.
@@ -481,6 +492,10 @@ fn run(shared: &Shared, period: Duration, reporter: &mut Reporter, mut send: imp
             }
         };
         let Some(job) = job else { break };
+        if job.queued.elapsed() > MAX_AGE {
+            lock().counts.dropped += 1;
+            continue;
+        }
         let first_try = Instant::now();
         let mut attempt = 0u32;
         loop {
@@ -566,7 +581,7 @@ mod tests {
     use super::*;
 
     fn job(bytes: usize, window: u64) -> Job {
-        Job { body: vec![0; bytes], window }
+        Job::new(vec![0; bytes], window)
     }
 
     #[test]
