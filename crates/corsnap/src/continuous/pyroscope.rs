@@ -234,6 +234,25 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_window_over_pyroscopes_sample_limit_is_trimmed_to_fit_with_its_total_kept() {
+        use corsnap_profile::{Frame, FrameKind, Meta, Sample, Thread};
+        let mut p = Profile::new(Meta { rate_hz: 100, ..Default::default() });
+        let thread = p.intern_thread(Thread { os_tid: 7, name: "worker".into() });
+        let main = p.intern_frame(Frame::new("App.Main", "app.dll", FrameKind::Managed));
+        for i in 0..20_000u64 {
+            let f = p.intern_frame(Frame::new(format!("App.Generated{i}"), "app.dll", FrameKind::Managed));
+            let stack = p.intern_stack(&[f, main]);
+            p.samples.push(Sample { time_ns: i, thread, stack, weight: 10_000_000 + i, kind: EventKind::Cpu });
+        }
+        let (gzipped, note) = fitted_pprof(&p, &WriteOptions::default());
+        let summary = corsnap_profile::writers::decode_pprof(&gzipped).unwrap();
+        assert!(summary.values.len() <= MAX_SAMPLES, "{} samples", summary.values.len());
+        assert_eq!(summary.total(0) as u64, p.total_weight());
+        assert!(summary.function_names.iter().any(|n| n.starts_with("[trimmed: ")), "no [trimmed] frame");
+        assert!(note.unwrap().contains("lightest stacks"));
+    }
+
+    #[test]
     fn uuids_are_version_4() {
         let id = uuid();
         assert_eq!(id.len(), 36, "{id}");
