@@ -534,6 +534,7 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
                 raw_names: options.raw_names,
                 title: String::new(),
                 inverted: false,
+                continuous: None,
             };
             let (process, connection, command) =
                 crate::record::launch_with_output(program, &agent, &listener, &record, &signals, Some(&log))?;
