@@ -153,6 +153,8 @@ pub struct SignalEngine {
     sigreturn: u64,
     /// The runtime's hijack trampoline, once found.
     hijack_stub: Option<HijackStub>,
+    /// The native modules changed since the map was last built.
+    natives_changed: bool,
     learner: CodeLearner,
     symbols: Symbolizer,
     /// Address (as looked up) to frame id.
@@ -245,6 +247,7 @@ impl SignalEngine {
             map_dirty: true,
             sigreturn: SignalSampler::sigreturn_trampoline(),
             hijack_stub: None,
+            natives_changed: true,
             learner,
             symbols,
             frame_ids: HashMap::new(),
@@ -920,6 +923,7 @@ impl SignalEngine {
             }
         }
         self.natives = natives;
+        self.natives_changed = true;
         self.map_dirty = true;
     }
 
@@ -1010,8 +1014,13 @@ impl SignalEngine {
     }
 
     fn publish(&mut self) {
-        let map = CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn)
-            .with_hijack_stub(self.hijack_stub.clone());
+        let map = if self.natives_changed {
+            self.natives_changed = false;
+            CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn)
+                .with_hijack_stub(self.hijack_stub.clone())
+        } else {
+            self.map.with_same_natives(self.managed.clone(), self.stacks.clone())
+        };
         self.managed = map.managed().to_vec();
         self.map = Arc::new(map);
         // While draining, the sampler is out of its place: the handler gets

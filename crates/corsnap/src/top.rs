@@ -538,6 +538,7 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
                 title: String::new(),
                 inverted: false,
                 subprocesses: false,
+                continuous: None,
             };
             let (process, connection, command) =
                 crate::record::launch_with_output(program, &agent, &listener, &record, &signals, Some(&log))?;
