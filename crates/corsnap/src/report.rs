@@ -22,6 +22,8 @@ pub struct ReportOptions {
     pub native: corsnap_profile::NativeFrames,
     pub roots: corsnap_profile::RootFrames,
     pub raw_names: bool,
+    /// Frames split by source line, named `Method (File.cs:42)`.
+    pub lines: bool,
 }
 
 pub fn run(options: &ReportOptions) -> Result<()> {
@@ -60,6 +62,9 @@ pub fn run(options: &ReportOptions) -> Result<()> {
     let mut builder = ProfileBuilder::new();
     builder.set_native_frames(options.native);
     builder.set_root_frames(options.roots);
+    if crate::output::reads_pdbs(options.lines, OutputFormat::Rendered(format)) {
+        builder.set_source_locator(Box::new(corsnap::source_lines::PdbLocator::new()));
+    }
     let mut scratch = Vec::new();
     loop {
         match read_message(&mut input, &mut scratch) {
@@ -87,6 +92,7 @@ pub fn run(options: &ReportOptions) -> Result<()> {
         title: options.title.clone(),
         inverted: options.inverted,
         raw_names: options.raw_names,
+        lines: options.lines,
     };
     outputs.write(&profile, &write_options, &[])?;
     eprintln!("corsnap: wrote {} ({samples} samples)", paths.join(", "));

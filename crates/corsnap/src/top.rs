@@ -532,6 +532,7 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
                 native: options.native,
                 roots: options.roots,
                 raw_names: options.raw_names,
+                lines: false,
                 title: String::new(),
                 inverted: false,
             };
@@ -734,6 +735,7 @@ mod tests {
             truncated: false,
             leaf: String::new(),
             frames,
+            il_offsets: Vec::new(),
         };
         view.apply(&sample);
         let (all, _) = view.all.view(None);

@@ -60,6 +60,7 @@ fn huge_weights_render() {
             truncated: false,
             leaf: String::new(),
             frames,
+            il_offsets: Vec::new(),
         }
         .encode_into(&mut data);
     }

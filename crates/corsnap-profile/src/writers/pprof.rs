@@ -12,6 +12,12 @@
 //! Each function is named as the other formats name its frame (readably,
 //! unless [`WriteOptions::raw_names`]); its `system_name` is always the name
 //! the runtime gave (`Shop.Orders+<HandleAsync>d__4.MoveNext`).
+//!
+//! A frame whose source line is known (the assembly's PDB was found and
+//! matched) is a location with that line, in a function named by the
+//! method and its source file; the method's other lines are other locations
+//! of the same function, as `pprof -lines` expects. Without a line the
+//! function's file name is the module's.
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
@@ -84,7 +90,7 @@ fn mapping() -> proto::Mapping {
         build_id: 0,
         has_functions: true,
         has_filenames: true,
-        has_line_numbers: false,
+        has_line_numbers: true,
         has_inline_frames: false,
     }
 }
@@ -104,6 +110,9 @@ enum Site {
 /// (ids are equal and start at 1), numbered in order of first use.
 struct Sites {
     ids: HashMap<Site, u64>,
+    /// Functions of frames with a source line, by (name, system name, file):
+    /// one per method, whatever the line.
+    sourced: HashMap<(i64, i64, i64), u64>,
     functions: Vec<proto::Function>,
     locations: Vec<proto::Location>,
 }
@@ -115,11 +124,30 @@ impl Sites {
         if let Some(&id) = self.ids.get(&site) {
             return id;
         }
-        let id = self.functions.len() as u64 + 1;
+        let id = self.locations.len() as u64 + 1;
         let (name, system_name, module) = match site {
             Site::Frame(idx) => {
                 let frame = &profile.frames[idx as usize];
                 let name = strings.intern(&names[idx as usize]);
+                if let Some(source) = &frame.source {
+                    let key = (name, strings.intern(&frame.name), strings.intern(&source.file));
+                    let next = self.functions.len() as u64 + 1;
+                    let function_id = *self.sourced.entry(key).or_insert(next);
+                    if function_id == next {
+                        let (name, system_name, filename) = key;
+                        self.functions.push(proto::Function { id: next, name, system_name, filename, start_line: 0 });
+                    }
+                    let line = vec![proto::Line { function_id, line: i64::from(source.line), column: 0 }];
+                    self.locations.push(proto::Location {
+                        id,
+                        mapping_id: MAPPING_ID,
+                        address: 0,
+                        line,
+                        is_folded: false,
+                    });
+                    self.ids.insert(site, id);
+                    return id;
+                }
                 (name, strings.intern(&frame.name), strings.intern(&frame.module))
             }
             Site::NoFrames => {
@@ -131,12 +159,13 @@ impl Sites {
                 (name, name, 0)
             }
         };
-        self.functions.push(proto::Function { id, name, system_name, filename: module, start_line: 0 });
+        let function_id = self.functions.len() as u64 + 1;
+        self.functions.push(proto::Function { id: function_id, name, system_name, filename: module, start_line: 0 });
         self.locations.push(proto::Location {
             id,
             mapping_id: MAPPING_ID,
             address: 0,
-            line: vec![proto::Line { function_id: id, line: 0, column: 0 }],
+            line: vec![proto::Line { function_id, line: 0, column: 0 }],
             is_folded: false,
         });
         self.ids.insert(site, id);
@@ -162,8 +191,9 @@ fn build(profile: &Profile, options: &WriteOptions) -> proto::Profile {
 
     let thread_key = strings.intern("thread");
     let mut thread_labels: HashMap<ThreadIdx, i64> = HashMap::new();
-    let names = super::frame_names(profile, options);
-    let mut sites = Sites { ids: HashMap::new(), functions: Vec::new(), locations: Vec::new() };
+    // The line is the location's, not part of the function's name.
+    let names = super::frame_names(profile, &WriteOptions { lines: false, ..options.clone() });
+    let mut sites = Sites { ids: HashMap::new(), sourced: HashMap::new(), functions: Vec::new(), locations: Vec::new() };
     let mut samples = Vec::with_capacity(merged.len());
     for ((stack, thread, kind), weight) in merged {
         let frames = &profile.stacks[stack as usize];
