@@ -287,6 +287,9 @@ pub struct PprofSummary {
     pub function_names: Vec<String>,
     /// Each function's `system_name`: the name as the runtime gave it.
     pub system_names: Vec<String>,
+    /// Each location's line: its function's name and file name, and the
+    /// line number (0 when unknown).
+    pub lines: Vec<(String, String, i64)>,
 }
 
 impl PprofSummary {
@@ -309,6 +312,16 @@ pub fn decode_pprof(gzipped: &[u8]) -> io::Result<PprofSummary> {
         values: profile.sample.iter().map(|s| s.value.clone()).collect(),
         function_names: profile.function.iter().map(|f| string(f.name)).collect(),
         system_names: profile.function.iter().map(|f| string(f.system_name)).collect(),
+        lines: profile
+            .location
+            .iter()
+            .flat_map(|l| l.line.first())
+            .map(|line| {
+                let function = profile.function.iter().find(|f| f.id == line.function_id);
+                let (name, file) = function.map_or((0, 0), |f| (f.name, f.filename));
+                (string(name), string(file), line.line)
+            })
+            .collect(),
     })
 }
 
