@@ -1003,7 +1003,10 @@ impl SamplerLoop {
                     self.own_cache_resets += 1;
                 }
                 self.sent_modules.insert(module_id, path.clone());
-                self.channel.queue(&Message::Module { module_id: module_id as u64, path });
+                // The PDB the image names, read from where the runtime mapped it.
+                let base = self.shared.info.get_module_info(module_id).map_or(0, |(base, _)| base);
+                let pdb = crate::pdb_reference::pdb_reference(base);
+                self.channel.queue(&Message::Module { module_id: module_id as u64, path, pdb });
             }
             self.channel.queue(&Message::FunctionSource {
                 function_id: function as u64,

@@ -47,8 +47,8 @@ pub enum RootFrames {
 #[derive(Default)]
 struct Lines {
     locator: Option<Box<dyn SourceLocator>>,
-    /// `ModuleID` to the path its assembly was loaded from.
-    modules: HashMap<u64, String>,
+    /// `ModuleID` to its assembly.
+    modules: HashMap<u64, crate::Assembly>,
     /// `FunctionID` to its module and `MethodDef` token.
     sources: HashMap<u64, (u64, u32)>,
     /// (`FunctionID`, IL offset) to its frame at that line (the method's
@@ -163,8 +163,8 @@ impl ProfileBuilder {
                 };
                 self.functions.insert(*function_id, idx);
             }
-            Message::Module { module_id, path } => {
-                self.lines.modules.insert(*module_id, path.clone());
+            Message::Module { module_id, path, pdb } => {
+                self.lines.modules.insert(*module_id, crate::Assembly { path: path.clone(), pdb: pdb.clone() });
             }
             Message::FunctionSource { function_id, module_id, method_token } => {
                 self.lines.sources.insert(*function_id, (*module_id, *method_token));
@@ -307,7 +307,7 @@ impl ProfileBuilder {
         let lines = &mut self.lines;
         let source = match (lines.sources.get(&id), lines.locator.as_mut()) {
             (Some(&(module, token)), Some(locator)) => match lines.modules.get(&module) {
-                Some(path) if !path.is_empty() => locator.locate(path, token, il),
+                Some(assembly) if !assembly.path.is_empty() => locator.locate(assembly, token, il),
                 _ => None,
             },
             _ => None,
@@ -432,7 +432,7 @@ mod tests {
     use super::*;
 
     fn cpu_sample(time_ns: u64, thread_id: u64, truncated: bool, frames: Vec<u64>) -> Message {
-        Message::Sample { time_ns, thread_id, kind: EventKind::Cpu, weight: 1, truncated, leaf: String::new(), frames }
+        Message::Sample { time_ns, thread_id, kind: EventKind::Cpu, weight: 1, truncated, leaf: String::new(), frames, il_offsets: Vec::new() }
     }
 
     #[test]

@@ -74,10 +74,18 @@ pub struct SourceLine {
 /// business of the profile model, nor of the profiled process).
 pub trait SourceLocator {
     /// The line `il_offset` of the method with `MethodDef` token
-    /// `method_token`, in the assembly loaded from `assembly_path`, was
-    /// compiled from; `None` when the assembly has no matching PDB or the
-    /// PDB no line for it.
-    fn locate(&mut self, assembly_path: &str, method_token: u32, il_offset: u32) -> Option<SourceLine>;
+    /// `method_token`, in `assembly`, was compiled from; `None` when the
+    /// assembly has no matching PDB or the PDB no line for it.
+    fn locate(&mut self, assembly: &Assembly, method_token: u32, il_offset: u32) -> Option<SourceLine>;
+}
+
+/// A loaded assembly, as the agent described it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assembly {
+    /// The path it was loaded from.
+    pub path: String,
+    /// The PDB its loaded image names.
+    pub pdb: Option<corsnap_wire::PdbReference>,
 }
 
 impl Frame {

@@ -190,11 +190,13 @@ pub enum Message {
     /// key of its sequence points in the assembly's portable PDB. Sent once
     /// per function, after its `Function`, when the runtime tells both.
     FunctionSource { function_id: u64, module_id: u64, method_token: u32 },
-    /// A loaded module (assembly) by the runtime's `ModuleID`, and the file
-    /// it was loaded from (empty for a module loaded from memory, or one in
-    /// a single-file bundle). Its PDB is found from it by the CLI. Sent once
-    /// per module.
-    Module { module_id: u64, path: String },
+    /// A loaded module (assembly) by the runtime's `ModuleID`, the file it
+    /// was loaded from (empty for a module loaded from memory; in a
+    /// single-file bundle, a path beside the bundle where no file is), and
+    /// the PDB its image names, read from the loaded image (so a bundled
+    /// assembly, or one rebuilt since, is still checked against the PDB it
+    /// was built with). Sent once per module.
+    Module { module_id: u64, path: String, pdb: Option<PdbReference> },
     /// One stack of one thread, leaf first; a `0` frame is a run of unmanaged
     /// frames. `leaf`, when not empty, is a frame above the stack (the thrown
     /// exception's or allocated object's type). `il_offsets` is empty, or
@@ -224,6 +226,19 @@ pub enum Message {
     /// One garbage collection: the deepest generation collected, the
     /// runtime's `COR_PRF_GC_REASON`, and how long it took.
     Gc { time_ns: u64, generation: u32, reason: u32, pause_ns: u64 },
+}
+
+/// The PDB an assembly was built with, from its CodeView debug directory
+/// entry: a portable PDB whose id (its `#Pdb` stream) is `guid` and `stamp`
+/// belongs to it, and no other.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PdbReference {
+    /// The GUID's 16 bytes as stored.
+    pub guid: [u8; 16],
+    /// The debug directory entry's time stamp (the id's last 4 bytes).
+    pub stamp: u32,
+    /// The PDB's path as the compiler wrote it.
+    pub path: String,
 }
 
 /// What a sample records; each kind becomes its own profile.
@@ -451,10 +466,18 @@ impl Message {
                 w.u64(*module_id);
                 w.u32(*method_token);
             }
-            Message::Module { module_id, path } => {
+            Message::Module { module_id, path, pdb } => {
                 w.u8(tag::MODULE);
                 w.u64(*module_id);
                 w.str(path);
+                if let Some(pdb) = pdb {
+                    w.u8(1);
+                    w.out().extend_from_slice(&pdb.guid);
+                    w.u32(pdb.stamp);
+                    w.str(&pdb.path);
+                } else {
+                    w.u8(0);
+                }
             }
             Message::Sample { time_ns, thread_id, kind, weight, truncated, leaf, frames, il_offsets } => {
                 let head = SampleHead {
@@ -516,7 +539,19 @@ impl Message {
             tag::FUNCTION_SOURCE => {
                 Message::FunctionSource { function_id: r.u64()?, module_id: r.u64()?, method_token: r.u32()? }
             }
-            tag::MODULE => Message::Module { module_id: r.u64()?, path: r.string()? },
+            tag::MODULE => {
+                let module_id = r.u64()?;
+                let path = r.string()?;
+                let pdb = match r.bool()? {
+                    true => {
+                        let mut guid = [0u8; 16];
+                        guid.copy_from_slice(r.take(16)?);
+                        Some(PdbReference { guid, stamp: r.u32()?, path: r.string()? })
+                    }
+                    false => None,
+                };
+                Message::Module { module_id, path, pdb }
+            }
             sample_tag @ (tag::SAMPLE | tag::SAMPLE_IL) => {
                 let time_ns = r.u64()?;
                 let thread_id = r.u64()?;
@@ -1002,7 +1037,12 @@ mod tests {
                 il_offsets: vec![0x1c, NO_IL_OFFSET, 0],
             },
             Message::FunctionSource { function_id: 7, module_id: 0x7f00_1234, method_token: 0x0600_0002 },
-            Message::Module { module_id: 0x7f00_1234, path: "/app/app.dll".into() },
+            Message::Module { module_id: 0x7f00_1234, path: "/app/app.dll".into(), pdb: None },
+            Message::Module {
+                module_id: 0x7f00_1240,
+                path: "/app/lib.dll".into(),
+                pdb: Some(PdbReference { guid: [7; 16], stamp: 0xfeed_beef, path: "/src/obj/lib.pdb".into() }),
+            },
             Message::Stats(SamplerStats { ticks: 3, max_tick_ns: 9, ..Default::default() }),
             Message::Notice { severity: Severity::Warning, text: "héllo".into() },
             Message::Goodbye { reason: "shutdown".into() },

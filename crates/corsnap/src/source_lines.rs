@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use corsnap_profile::{SourceLine, SourceLocator};
+use corsnap_profile::{Assembly, SourceLine, SourceLocator};
 use object::pe;
 use object::read::pe::{ImageNtHeaders, PeFile32, PeFile64};
 use object::LittleEndian as LE;
@@ -189,22 +189,36 @@ impl PdbLocator {
         Self::default()
     }
 
-    /// The lines of the assembly at `path`, or why there are none (`Ok(None)`:
-    /// no PDB at all, which is no news).
-    fn load(path: &Path) -> Result<Option<AssemblyLines>, String> {
-        let Ok(image) = std::fs::read(path) else { return Ok(None) };
-        let Ok(debug) = read_debug_directory(&image) else { return Ok(None) };
-        if let Some(entry) = &debug.embedded {
+    /// The lines of `assembly`, or why there are none (`Ok(None)`: no PDB
+    /// at all, which is no news). The PDB id it must have is the one the
+    /// loaded image named (the agent read it), else the file's.
+    pub fn load(assembly: &Assembly) -> Result<Option<AssemblyLines>, String> {
+        let path = Path::new(&assembly.path);
+        let debug = std::fs::read(path).ok().and_then(|image| read_debug_directory(&image).ok());
+        let loaded = assembly.pdb.as_ref().map(|p| (p.guid, p.stamp));
+        let wanted = loaded.or(debug.as_ref().and_then(|d| d.pdb_id));
+        if let Some(entry) = debug.as_ref().and_then(|d| d.embedded.as_ref()) {
             let pdb = inflate_embedded_pdb(entry).map_err(|e| format!("the PDB embedded in {}: {e}", path.display()))?;
-            return AssemblyLines::from_pdb(&pdb, debug.pdb_id)
+            return AssemblyLines::from_pdb(&pdb, wanted)
                 .map(Some)
                 .map_err(|e| format!("the PDB embedded in {} gives no lines: {e}", path.display()));
         }
-        let beside = pdb_beside(path);
-        let Ok(pdb) = std::fs::read(&beside) else { return Ok(None) };
-        AssemblyLines::from_pdb(&pdb, debug.pdb_id)
-            .map(Some)
-            .map_err(|e| format!("{} gives {} no lines: {e}", beside.display(), path.display()))
+        // Beside the assembly (or where a single-file bundle's assembly
+        // would be), else where the compiler wrote it.
+        let compiler_path = assembly.pdb.as_ref().map(|p| p.path.clone()).or(debug.map(|d| d.pdb_path));
+        let mut candidates = vec![pdb_beside(path)];
+        candidates.extend(compiler_path.filter(|p| p.starts_with('/')).map(PathBuf::from));
+        let mut refused = None;
+        for candidate in candidates {
+            let Ok(pdb) = std::fs::read(&candidate) else { continue };
+            match AssemblyLines::from_pdb(&pdb, wanted) {
+                Ok(lines) => return Ok(Some(lines)),
+                Err(e) => {
+                    refused.get_or_insert(format!("{} gives {} no lines: {e}", candidate.display(), path.display()));
+                }
+            }
+        }
+        refused.map_or(Ok(None), Err)
     }
 }
 
@@ -214,14 +228,12 @@ fn pdb_beside(assembly: &Path) -> PathBuf {
 }
 
 impl SourceLocator for PdbLocator {
-    fn locate(&mut self, assembly_path: &str, method_token: u32, il_offset: u32) -> Option<SourceLine> {
-        let lines = self.assemblies.entry(assembly_path.to_string()).or_insert_with(|| {
-            match PdbLocator::load(Path::new(assembly_path)) {
-                Ok(lines) => lines,
-                Err(why) => {
-                    eprintln!("corsnap: {why}");
-                    None
-                }
+    fn locate(&mut self, assembly: &Assembly, method_token: u32, il_offset: u32) -> Option<SourceLine> {
+        let lines = self.assemblies.entry(assembly.path.clone()).or_insert_with(|| match PdbLocator::load(assembly) {
+            Ok(lines) => lines,
+            Err(why) => {
+                eprintln!("corsnap: {why}");
+                None
             }
         });
         lines.as_ref()?.line(method_token, il_offset)
