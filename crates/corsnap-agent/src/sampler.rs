@@ -1003,6 +1003,7 @@ impl SamplerLoop {
                     self.own_cache_resets += 1;
                 }
                 self.sent_modules.insert(module_id, path.clone());
+                let path = bundled_beside_host(path);
                 // The PDB the image names, read from where the runtime mapped it.
                 let base = self.shared.info.get_module_info(module_id).map_or(0, |(base, _)| base);
                 let pdb = crate::pdb_reference::pdb_reference(base);
@@ -1069,6 +1070,19 @@ struct WalkVerification {
 const VERIFY_EVERY: Duration = Duration::from_millis(250);
 
 /// The kernel's name for one of our process's threads.
+/// A single-file bundle's assemblies are loaded by bare file name
+/// (`Sarif.dll`): the path they would have beside the bundle, where a PDB
+/// shipped with it lies.
+fn bundled_beside_host(path: String) -> String {
+    if path.is_empty() || path.starts_with('/') {
+        return path;
+    }
+    match std::fs::read_link("/proc/self/exe") {
+        Ok(host) => host.with_file_name(&path).to_string_lossy().into_owned(),
+        Err(_) => path,
+    }
+}
+
 fn os_thread_name(os_tid: u32) -> Option<String> {
     let comm = std::fs::read_to_string(format!("/proc/self/task/{os_tid}/comm")).ok()?;
     let comm = comm.trim_end_matches('\n');

@@ -80,7 +80,7 @@ impl Strings {
 /// does not complain that the main binary's file name is unknown.
 const MAPPING_ID: u64 = 1;
 
-fn mapping() -> proto::Mapping {
+fn mapping(has_line_numbers: bool) -> proto::Mapping {
     proto::Mapping {
         id: MAPPING_ID,
         memory_start: 0,
@@ -90,7 +90,7 @@ fn mapping() -> proto::Mapping {
         build_id: 0,
         has_functions: true,
         has_filenames: true,
-        has_line_numbers: true,
+        has_line_numbers,
         has_inline_frames: false,
     }
 }
@@ -236,7 +236,7 @@ fn build(profile: &Profile, options: &WriteOptions) -> proto::Profile {
     proto::Profile {
         sample_type,
         sample: samples,
-        mapping: vec![mapping()],
+        mapping: vec![mapping(profile.frames.iter().any(|f| f.source.is_some()))],
         location: sites.locations,
         function: sites.functions,
         string_table: strings.table,
