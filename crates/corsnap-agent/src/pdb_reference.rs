@@ -37,10 +37,7 @@ fn u32_at(b: &[u8], at: usize) -> Option<u32> {
 
 /// From an image's first bytes `headers`, and `read(offset from the image's
 /// start, len)` for the rest: the CodeView entry's PDB reference.
-pub fn parse_pdb_reference(
-    headers: &[u8],
-    read: impl Fn(u64, usize) -> Option<Vec<u8>>,
-) -> Option<PdbReference> {
+pub fn parse_pdb_reference(headers: &[u8], read: impl Fn(u64, usize) -> Option<Vec<u8>>) -> Option<PdbReference> {
     if headers.get(..2)? != b"MZ" {
         return None;
     }

@@ -809,8 +809,8 @@ impl SignalEngine {
     /// body (an image's code is one region for all its methods: `None`).
     fn body_start(&self, address: u64) -> Option<u64> {
         let in_map = self.map.managed_at(address).map(|r| (r.tag, r.code.start));
-        let (tag, start) =
-            in_map.or_else(|| self.managed.iter().rev().find(|m| m.code.contains(&address)).map(|m| (m.tag, m.code.start)))?;
+        let (tag, start) = in_map
+            .or_else(|| self.managed.iter().rev().find(|m| m.code.contains(&address)).map(|m| (m.tag, m.code.start)))?;
         (tag >= crate::code_learning::TAG_LIMIT).then_some(start)
     }
 

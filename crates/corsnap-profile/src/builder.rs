@@ -8,9 +8,7 @@ use corsnap_wire::{Message, SamplerStats, Severity};
 
 use crate::names::{is_roslyn_move_next, state_machine_from_callers, StateMachine};
 use crate::roots::{classify_native, fold_point, NativeRoot, Start};
-use crate::{
-    EventKind, Frame, FrameIdx, FrameKind, GcRecord, Meta, Profile, Sample, SourceLocator, Thread, ThreadIdx,
-};
+use crate::{EventKind, Frame, FrameIdx, FrameKind, GcRecord, Meta, Profile, Sample, SourceLocator, Thread, ThreadIdx};
 
 /// Frame name for a run of unmanaged frames.
 pub const NATIVE_FRAME: &str = "[native code]";
@@ -432,7 +430,16 @@ mod tests {
     use super::*;
 
     fn cpu_sample(time_ns: u64, thread_id: u64, truncated: bool, frames: Vec<u64>) -> Message {
-        Message::Sample { time_ns, thread_id, kind: EventKind::Cpu, weight: 1, truncated, leaf: String::new(), frames, il_offsets: Vec::new() }
+        Message::Sample {
+            time_ns,
+            thread_id,
+            kind: EventKind::Cpu,
+            weight: 1,
+            truncated,
+            leaf: String::new(),
+            frames,
+            il_offsets: Vec::new(),
+        }
     }
 
     #[test]

@@ -555,4 +555,3 @@ mod tests {
         assert!(err.contains("named like a speedscope file") && err.contains("--format flamegraph"), "{err}");
     }
 }
-

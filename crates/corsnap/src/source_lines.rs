@@ -47,14 +47,12 @@ pub struct DebugDirectory {
 /// Reads an assembly's debug directory.
 pub fn read_debug_directory(image: &[u8]) -> Result<DebugDirectory, String> {
     match object::FileKind::parse(image).map_err(|e| e.to_string())? {
-        object::FileKind::Pe32 => debug_directory::<pe::ImageNtHeaders32>(
-            &PeFile32::parse(image).map_err(|e| e.to_string())?,
-            image,
-        ),
-        object::FileKind::Pe64 => debug_directory::<pe::ImageNtHeaders64>(
-            &PeFile64::parse(image).map_err(|e| e.to_string())?,
-            image,
-        ),
+        object::FileKind::Pe32 => {
+            debug_directory::<pe::ImageNtHeaders32>(&PeFile32::parse(image).map_err(|e| e.to_string())?, image)
+        }
+        object::FileKind::Pe64 => {
+            debug_directory::<pe::ImageNtHeaders64>(&PeFile64::parse(image).map_err(|e| e.to_string())?, image)
+        }
         other => Err(format!("not a PE image ({other:?})")),
     }
 }
@@ -162,7 +160,10 @@ pub enum Mismatch {
     /// The assembly has no CodeView entry, or the PDB no id: nothing says
     /// they belong together.
     NoId,
-    Id { wanted: String, found: String },
+    Id {
+        wanted: String,
+        found: String,
+    },
 }
 
 impl std::fmt::Display for Mismatch {
@@ -198,7 +199,8 @@ impl PdbLocator {
         let loaded = assembly.pdb.as_ref().map(|p| (p.guid, p.stamp));
         let wanted = loaded.or(debug.as_ref().and_then(|d| d.pdb_id));
         if let Some(entry) = debug.as_ref().and_then(|d| d.embedded.as_ref()) {
-            let pdb = inflate_embedded_pdb(entry).map_err(|e| format!("the PDB embedded in {}: {e}", path.display()))?;
+            let pdb =
+                inflate_embedded_pdb(entry).map_err(|e| format!("the PDB embedded in {}: {e}", path.display()))?;
             return AssemblyLines::from_pdb(&pdb, wanted)
                 .map(Some)
                 .map_err(|e| format!("the PDB embedded in {} gives no lines: {e}", path.display()));

@@ -172,3 +172,88 @@ fn raw_recordings_render_lines_later(runtime: Runtime) {
     assert!(summary.function_names.iter().all(|n| !n.contains("(hotline.cs:")), "{:?}", summary.function_names);
 }
 on_each_runtime!(raw, raw_recordings_render_lines_later);
+
+/// The PDB reading on its own, on Roslyn's output: the assembly's debug
+/// directory, the embedded PDB, the id check, and IL offsets to lines.
+mod pdb {
+    use super::*;
+    use corsnap::source_lines::{inflate_embedded_pdb, read_debug_directory, AssemblyLines, Mismatch, PdbLocator};
+    use corsnap_profile::Assembly;
+
+    /// `HotLine.Spin`, the first method Roslyn emits (its `MethodDef` row 1).
+    const SPIN: u32 = 0x0600_0001;
+
+    /// Every line Spin's IL offsets map to.
+    fn spin_lines(lines: &AssemblyLines) -> Vec<u32> {
+        let mut found: Vec<u32> = (0..64).filter_map(|il| lines.line(SPIN, il)).map(|l| l.line).collect();
+        found.dedup();
+        found
+    }
+
+    #[test]
+    fn a_pdb_beside_maps_il_offsets_to_lines() {
+        let dll = support::compiled("hotline", Runtime::Net10);
+        let image = std::fs::read(&dll).unwrap();
+        let debug = read_debug_directory(&image).unwrap();
+        assert!(debug.embedded.is_none());
+        assert!(debug.pdb_path.ends_with("hotline.pdb"), "{debug:?}");
+        let pdb = std::fs::read(dll.with_extension("pdb")).unwrap();
+        let lines = AssemblyLines::from_pdb(&pdb, debug.pdb_id).unwrap();
+        let found = spin_lines(&lines);
+        // The method's lines, the loop's among them; no hidden sequence
+        // point (line 0xFEEFEE) shows.
+        assert!(found.contains(&hot_line()), "{found:?}");
+        assert!(found.iter().all(|&l| l >= hot_line() - 4 && l <= hot_line() + 2), "{found:?}");
+        let file = lines.line(SPIN, 0).unwrap().file;
+        assert!(file.ends_with("hotline.cs"), "{file}");
+        // Not a method token, or a method past the table: nothing.
+        assert_eq!(lines.line(0x0200_0001, 0), None);
+        assert_eq!(lines.line(0x0600_0fff, 0), None);
+    }
+
+    #[test]
+    fn the_id_must_match() {
+        let dll = support::compiled("hotline", Runtime::Net10);
+        let debug = read_debug_directory(&std::fs::read(&dll).unwrap()).unwrap();
+        let pdb = std::fs::read(dll.with_extension("pdb")).unwrap();
+        let (guid, stamp) = debug.pdb_id.unwrap();
+        let mut other = guid;
+        other[0] ^= 1;
+        assert!(matches!(AssemblyLines::from_pdb(&pdb, Some((other, stamp))), Err(Mismatch::Id { .. })));
+        assert!(matches!(AssemblyLines::from_pdb(&pdb, Some((guid, stamp + 1))), Err(Mismatch::Id { .. })));
+        assert!(matches!(AssemblyLines::from_pdb(&pdb, None), Err(Mismatch::NoId)));
+        assert!(matches!(AssemblyLines::from_pdb(b"Microsoft C/C++ MSF 7.00\r\n", None), Err(Mismatch::NotPortable)));
+        // The id the loaded image named wins over the file's: a file
+        // rebuilt since the recording gives no lines.
+        let assembly = Assembly {
+            path: dll.to_string_lossy().into_owned(),
+            pdb: Some(corsnap_wire::PdbReference { guid: other, stamp, path: String::new() }),
+        };
+        let err = PdbLocator::load(&assembly).unwrap_err();
+        assert!(err.contains("another build") && err.contains("hotline.dll"), "{err}");
+        let assembly = Assembly { pdb: None, ..assembly };
+        assert!(PdbLocator::load(&assembly).unwrap().is_some());
+        // No assembly, no PDB: no news.
+        let nothing = Assembly { path: "/nonexistent/app.dll".into(), pdb: None };
+        assert!(PdbLocator::load(&nothing).unwrap().is_none());
+    }
+
+    #[test]
+    fn an_embedded_pdb_inflates_and_maps_like_one_beside() {
+        let dir = scratch("lines-pdb-embedded");
+        let dll = build(&repo_root().join(SOURCE), &dir, Runtime::Net10, "embedded");
+        let debug = read_debug_directory(&std::fs::read(&dll).unwrap()).unwrap();
+        let entry = debug.embedded.clone().expect("an EmbeddedPortablePdb entry");
+        let pdb = inflate_embedded_pdb(&entry).unwrap();
+        let lines = AssemblyLines::from_pdb(&pdb, debug.pdb_id).unwrap();
+        assert!(spin_lines(&lines).contains(&hot_line()));
+        // A lying size or a broken stream is refused, not trusted.
+        let mut lying = entry.clone();
+        lying[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(inflate_embedded_pdb(&lying).is_err());
+        let mut short = entry.clone();
+        short.truncate(entry.len() / 2);
+        assert!(inflate_embedded_pdb(&short).is_err());
+        assert!(inflate_embedded_pdb(b"MPDX\0\0\0\0").is_err());
+    }
+}

@@ -193,7 +193,8 @@ fn build(profile: &Profile, options: &WriteOptions) -> proto::Profile {
     let mut thread_labels: HashMap<ThreadIdx, i64> = HashMap::new();
     // The line is the location's, not part of the function's name.
     let names = super::frame_names(profile, &WriteOptions { lines: false, ..options.clone() });
-    let mut sites = Sites { ids: HashMap::new(), sourced: HashMap::new(), functions: Vec::new(), locations: Vec::new() };
+    let mut sites =
+        Sites { ids: HashMap::new(), sourced: HashMap::new(), functions: Vec::new(), locations: Vec::new() };
     let mut samples = Vec::with_capacity(merged.len());
     for ((stack, thread, kind), weight) in merged {
         let frames = &profile.stacks[stack as usize];
