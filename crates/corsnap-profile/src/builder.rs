@@ -461,6 +461,64 @@ mod tests {
         assert_eq!(names, [TRUNCATED_FRAME, "[unknown function 0x3]"]);
     }
 
+    /// Lines of `app.dll`'s method 0x06000001: IL offset / 0x10 + 40.
+    struct FakePdb;
+
+    impl crate::SourceLocator for FakePdb {
+        fn locate(&mut self, assembly: &crate::Assembly, token: u32, il: u32) -> Option<crate::SourceLine> {
+            (assembly.path == "/app/app.dll" && token == 0x0600_0001 && il < 0x100)
+                .then(|| crate::SourceLine { file: "/src/App.cs".into(), line: il / 0x10 + 40 })
+        }
+    }
+
+    #[test]
+    fn with_a_locator_a_method_is_one_frame_per_line() {
+        let run = |locator: bool| {
+            let mut b = ProfileBuilder::new();
+            if locator {
+                b.set_source_locator(Box::new(FakePdb));
+            }
+            b.apply(&Message::Module { module_id: 9, path: "/app/app.dll".into(), pdb: None });
+            b.apply(&function(1, "App.Spin", "app.dll"));
+            b.apply(&Message::FunctionSource { function_id: 1, module_id: 9, method_token: 0x0600_0001 });
+            b.apply(&function(2, "App.Main", "app.dll"));
+            let no = corsnap_wire::NO_IL_OFFSET;
+            for (time_ns, offsets) in
+                [(1, vec![0x12, 0x30]), (2, vec![0x24, 0x30]), (3, vec![no, 0x30]), (4, vec![0x200, 0])]
+            {
+                b.apply(&Message::Sample {
+                    time_ns,
+                    thread_id: 1,
+                    kind: EventKind::Cpu,
+                    weight: 1,
+                    truncated: false,
+                    leaf: String::new(),
+                    frames: vec![1, 2],
+                    il_offsets: offsets,
+                });
+            }
+            let p = b.finish();
+            let leaves: Vec<Option<u32>> = p
+                .samples
+                .iter()
+                .map(|s| p.frames[p.stacks[s.stack as usize][0] as usize].source.as_ref().map(|l| l.line))
+                .collect();
+            (leaves, p)
+        };
+        // Lines 41 and 42; an unknown offset, and one the PDB has no line
+        // for, keep the method's own frame; Main has no FunctionSource.
+        let (leaves, p) = run(true);
+        assert_eq!(leaves, [Some(41), Some(42), None, None]);
+        let names: Vec<_> = p.samples.iter().map(|s| p.stacks[s.stack as usize][0]).collect();
+        assert_eq!(names[2], names[3], "the method's frame, whatever the offset");
+        assert_eq!(p.frames[names[0] as usize].source.as_ref().unwrap().file, "/src/App.cs");
+        assert!(p.frames.iter().filter(|f| f.name == "App.Main").all(|f| f.source.is_none()));
+        // Without a locator the offsets change nothing.
+        let (leaves, p) = run(false);
+        assert_eq!(leaves, [None, None, None, None]);
+        assert_eq!(p.stacks.len(), 1);
+    }
+
     fn function(function_id: u64, name: &str, module: &str) -> Message {
         Message::Function { function_id, name: name.into(), module: module.into() }
     }

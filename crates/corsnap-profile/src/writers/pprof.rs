@@ -509,6 +509,47 @@ mod tests {
     }
 
     #[test]
+    fn frames_with_lines_are_locations_of_one_function_per_method() {
+        let mut profile = Profile::new(Meta::default());
+        let at = |line: u32| {
+            let mut f = frame("Shop.Ledger.Settle", "Shop.dll");
+            f.source = Some(crate::SourceLine { file: "/src/Ledger.cs".into(), line });
+            f
+        };
+        let settle_42 = profile.intern_frame(at(42));
+        let settle_47 = profile.intern_frame(at(47));
+        let main = profile.intern_frame(frame("Shop.Program.Main", "Shop.dll"));
+        let thread = profile.intern_thread(Thread { os_tid: 1, name: String::new() });
+        for leaf in [settle_42, settle_47] {
+            let stack = profile.intern_stack(&[leaf, main]);
+            profile.samples.push(Sample { time_ns: 0, thread, stack, weight: 1, kind: EventKind::Cpu });
+        }
+        // With or without --lines: the line is the location's, never the
+        // function's name.
+        for lines in [false, true] {
+            let bytes = write(&profile, &WriteOptions { lines, ..WriteOptions::default() });
+            let summary = decode_pprof(&bytes).unwrap();
+            assert_eq!(summary.function_names, ["Shop.Ledger.Settle", "Shop.Program.Main"]);
+            let mut located = summary.lines.clone();
+            located.sort();
+            assert_eq!(
+                located,
+                [
+                    ("Shop.Ledger.Settle".to_string(), "/src/Ledger.cs".to_string(), 42),
+                    ("Shop.Ledger.Settle".to_string(), "/src/Ledger.cs".to_string(), 47),
+                    ("Shop.Program.Main".to_string(), "Shop.dll".to_string(), 0),
+                ]
+            );
+            assert!(decode(&bytes).mapping[0].has_line_numbers);
+        }
+        // The other writers show it only with --lines.
+        let names = super::super::frame_names(&profile, &WriteOptions { lines: true, ..WriteOptions::default() });
+        assert_eq!(names[settle_42 as usize], "Shop.Ledger.Settle (Ledger.cs:42)");
+        let names = super::super::frame_names(&profile, &WriteOptions::default());
+        assert_eq!(names[settle_47 as usize], "Shop.Ledger.Settle");
+    }
+
+    #[test]
     fn empty_profile_is_valid() {
         let decoded = decode(&write(&Profile::new(Meta::default()), &WriteOptions::default()));
         assert_eq!(decoded.string_table[0], "");
