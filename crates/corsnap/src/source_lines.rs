@@ -111,6 +111,20 @@ fn expected_id((guid, stamp): ([u8; 16], u32)) -> Option<debugid::DebugId> {
     debugid::DebugId::from_guid_age(&guid, stamp).ok()
 }
 
+/// The id a portable PDB gives itself (its `#Pdb` stream), in the form a
+/// CodeView entry holds it (GUID bytes as stored, stamp).
+pub fn portable_pdb_id(pdb: &[u8]) -> Option<([u8; 16], u32)> {
+    let id = PortablePdb::parse(pdb).ok()?.pdb_id()?;
+    let uuid = id.uuid();
+    let (d1, d2, d3, d4) = uuid.as_fields();
+    let mut guid = [0u8; 16];
+    guid[..4].copy_from_slice(&d1.to_le_bytes());
+    guid[4..6].copy_from_slice(&d2.to_le_bytes());
+    guid[6..8].copy_from_slice(&d3.to_le_bytes());
+    guid[8..].copy_from_slice(d4);
+    Some((guid, id.appendix()))
+}
+
 /// An assembly's sequence points, ready for lookups.
 #[derive(Debug)]
 pub struct AssemblyLines {

@@ -222,6 +222,7 @@ mod pdb {
         assert!(matches!(AssemblyLines::from_pdb(&pdb, Some((other, stamp))), Err(Mismatch::Id { .. })));
         assert!(matches!(AssemblyLines::from_pdb(&pdb, Some((guid, stamp + 1))), Err(Mismatch::Id { .. })));
         assert!(matches!(AssemblyLines::from_pdb(&pdb, None), Err(Mismatch::NoId)));
+        assert_eq!(corsnap::source_lines::portable_pdb_id(&pdb), Some((guid, stamp)), "the PDB's own id");
         assert!(matches!(AssemblyLines::from_pdb(b"Microsoft C/C++ MSF 7.00\r\n", None), Err(Mismatch::NotPortable)));
         // The id the loaded image named wins over the file's: a file
         // rebuilt since the recording gives no lines.
