@@ -112,6 +112,12 @@ fn hot_loop_shows_at_its_line(runtime: Runtime) {
 }
 on_each_runtime!(hot_loop, hot_loop_shows_at_its_line);
 
+#[test]
+fn hot_loop_shows_at_its_line_on_core31() {
+    let (stacks, _) = record_collapsed(Runtime::Core31, "hotline", "1.5", &["--lines"]);
+    assert_at_lines(&stacks, "3.1");
+}
+
 fn embedded_pdb_gives_lines(runtime: Runtime) {
     let dir = scratch(&format!("lines-embedded-{runtime:?}"));
     let dll = build(&repo_root().join(SOURCE), &dir.join("bin"), runtime, "embedded");
