@@ -48,11 +48,11 @@ const _: () = {
     // The slots corsnap calls sit where corprof.idl puts them.
     assert!(slot::DO_STACK_SNAPSHOT == INFO_VTABLE_LEN[0]); // first method of Info2
     assert!(slot::GET_IL_TO_NATIVE_MAPPING == INFO_VTABLE_LEN[0] - 1); // last of Info
-    assert!(slot::GET_NATIVE_CODE_START_ADDRESSES == INFO_VTABLE_LEN[7]); // first of Info9
     assert!(slot::GET_IL_TO_NATIVE_MAPPING3 == INFO_VTABLE_LEN[7] + 1); // second of Info9
     assert!(slot::ENUM_JITED_FUNCTIONS == INFO_VTABLE_LEN[1]); // first of Info3
     assert!(slot::ENUM_THREADS == INFO_VTABLE_LEN[2]); // first of Info4
     assert!(slot::SET_EVENT_MASK2 == INFO_VTABLE_LEN[3] + 1); // second of Info5
+    assert!(slot::GET_NATIVE_CODE_START_ADDRESSES == INFO_VTABLE_LEN[7]); // first of Info9
     assert!(slot::SUSPEND_RUNTIME == INFO_VTABLE_LEN[9] - 2); // last two of Info10
     assert!(slot::RESUME_RUNTIME == INFO_VTABLE_LEN[9] - 1);
     assert!(slot::EVENT_PIPE_START_SESSION == INFO_VTABLE_LEN[10]); // first of Info12
@@ -286,33 +286,6 @@ impl CorProfilerInfo {
             check(f(self.raw(), ip, &mut function))?;
         }
         Ok(function)
-    }
-
-    /// Every native code body the runtime has made for `function`'s
-    /// original IL (Info9: one per tier, OSR variant or R2R image), by the
-    /// address it starts at.
-    pub fn get_native_code_start_addresses(&self, function: FunctionID) -> HResult<Vec<usize>> {
-        type F = unsafe extern "C" fn(*mut c_void, FunctionID, usize, u32, *mut u32, *mut usize) -> HRESULT;
-        let mut starts = vec![0usize; 8];
-        loop {
-            let mut count = 0u32;
-            // SAFETY: GetNativeCodeStartAddresses(FunctionID, ReJITID,
-            // ULONG32 cCodeStartAddresses, ULONG32*, UINT_PTR[]) with an
-            // array of `starts.len()` entries; ReJITID 0 is the original IL.
-            let hr = unsafe {
-                let f: F = self.method(slot::GET_NATIVE_CODE_START_ADDRESSES)?;
-                f(self.raw(), function, 0, starts.len() as u32, &mut count, starts.as_mut_ptr())
-            };
-            check(hr)?;
-            if (count as usize) <= starts.len() {
-                starts.truncate(count as usize);
-                return Ok(starts);
-            }
-            if count > 1024 {
-                return Err(HResultError(hr::E_FAIL));
-            }
-            starts.resize(count as usize, 0);
-        }
     }
 
     /// The IL-to-native map of the code body starting at `code_start`
@@ -649,6 +622,23 @@ impl CorProfilerInfo {
     /// Every loaded module. Never call while the runtime is suspended.
     pub fn enum_modules(&self) -> HResult<Vec<ModuleID>> {
         self.enumerate(slot::ENUM_MODULES)
+    }
+
+    /// Where each native code version of `function` (its tiers, for the
+    /// IL the runtime started with) begins (Info9).
+    pub fn get_native_code_start_addresses(&self, function: FunctionID) -> HResult<Vec<u64>> {
+        type F = unsafe extern "C" fn(*mut c_void, FunctionID, usize, u32, *mut u32, *mut usize) -> HRESULT;
+        let mut starts = [0usize; 16];
+        let mut count = 0u32;
+        // SAFETY: GetNativeCodeStartAddresses(FunctionID, ReJITID,
+        // ULONG32 cCodeStartAddresses, ULONG32 *pcCodeStartAddresses,
+        // UINT_PTR codeStartAddresses[]); ReJITID 0 is the original IL.
+        unsafe {
+            let f: F = self.method(slot::GET_NATIVE_CODE_START_ADDRESSES)?;
+            check(f(self.raw(), function, 0, starts.len() as u32, &mut count, starts.as_mut_ptr()))?;
+        }
+        let n = (count as usize).min(starts.len());
+        Ok(starts[..n].iter().map(|&a| a as u64).collect())
     }
 
     /// Every JIT-compiled function (not ReadyToRun code).

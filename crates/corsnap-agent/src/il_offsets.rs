@@ -112,7 +112,7 @@ impl IlOffsets {
     fn learn(&mut self, info: &CorProfilerInfo, function: FunctionID) {
         let starts = info.get_native_code_start_addresses(function).unwrap_or_default();
         for start in starts {
-            self.learn_body(info, function, start as u64);
+            self.learn_body(info, function, start);
         }
     }
 }

@@ -156,6 +156,8 @@ pub struct SignalEngine {
     sigreturn: u64,
     /// The runtime's hijack trampoline, once found.
     hijack_stub: Option<HijackStub>,
+    /// The native modules changed since the map was last built.
+    natives_changed: bool,
     learner: CodeLearner,
     symbols: Symbolizer,
     /// Address (as looked up) to frame id.
@@ -183,6 +185,10 @@ pub struct SignalEngine {
     requested: Vec<Sample>,
     /// Samples walked again from their stack copy.
     pub rewalked: u64,
+    /// Bodies learned as the runtime finished compiling them, and the time
+    /// that took.
+    learned_at_compile: u64,
+    learning_at_compile: Duration,
     rewalked_before_collect: u64,
     started: Instant,
     pub samples: u64,
@@ -246,6 +252,7 @@ impl SignalEngine {
             map_dirty: true,
             sigreturn: SignalSampler::sigreturn_trampoline(),
             hijack_stub: None,
+            natives_changed: true,
             learner,
             symbols,
             frame_ids: HashMap::new(),
@@ -263,6 +270,8 @@ impl SignalEngine {
             rewalk_cache: corsnap_unwind::WalkCache::new(),
             requested: Vec::new(),
             rewalked: 0,
+            learned_at_compile: 0,
+            learning_at_compile: Duration::ZERO,
             rewalked_before_collect: 0,
             started: Instant::now(),
             samples: 0,
@@ -334,6 +343,7 @@ impl SignalEngine {
             self.refresh_modules();
             self.scan_threads();
         }
+        self.learn_compiled();
         self.drain(out);
         out.append(&mut self.leftovers);
         if self.map_dirty {
@@ -426,11 +436,14 @@ impl SignalEngine {
             }
             let c = signal::counters();
             log::write(format_args!(
-                "signal engine stopped: {} samples ({} walked again from their stack copy); {} JIT bodies ({} found \
-                 by the runtime's code map, {} map answers refused), {} stubs and {} images learned; {c:?}",
+                "signal engine stopped: {} samples ({} walked again from their stack copy); {} JIT bodies ({} as \
+                 they were compiled, in {:?}, {} found by the runtime's code map, {} map answers refused), {} stubs and {} \
+                 images learned; {c:?}",
                 self.samples,
                 self.rewalked,
                 self.learner.jit_bodies_learned,
+                self.learned_at_compile,
+                self.learning_at_compile,
                 self.learner.found_by_map,
                 self.learner.map_misses,
                 self.learner.stubs_learned,
@@ -488,6 +501,30 @@ impl SignalEngine {
         self.scratch = scratch;
     }
 
+    /// Learns the code of the functions the runtime compiled since the last
+    /// round, before a sample lands in it: a sample in a body not learned
+    /// yet needs a stack copy and a second walk.
+    fn learn_compiled(&mut self) {
+        let compiled = std::mem::take(&mut *self.shared.jitted.lock().unwrap_or_else(|p| p.into_inner()));
+        if compiled.is_empty() {
+            return;
+        }
+        let started = Instant::now();
+        for function in compiled {
+            let Ok(starts) = self.shared.info.get_native_code_start_addresses(function) else { continue };
+            for start in starts {
+                if start == 0 || self.map.is_code(start) || self.managed.iter().any(|m| m.code.contains(&start)) {
+                    continue;
+                }
+                if let Learned::Code(code) = self.learner.learn(start) {
+                    self.add_managed(code);
+                    self.learned_at_compile += 1;
+                }
+            }
+        }
+        self.learning_at_compile += started.elapsed();
+    }
+
     /// A sample whose walk met code not known yet: learn that code, and walk
     /// the sample's copy of its stack again with what was learned, until
     /// nothing new turns up.
@@ -496,6 +533,16 @@ impl SignalEngine {
         // be known by now (learned from an earlier sample), or be learned
         // from this one's addresses.
         let original = (raw.frames.clone(), raw.flags);
+        if self.debug_walks {
+            let unknown: Vec<String> = raw
+                .frames
+                .iter()
+                .map(|&f| lookup_address(f))
+                .filter(|&a| !self.map.is_code(a))
+                .map(|a| format!("{a:#x}{}", if self.not_managed.contains(&a) { "(not managed)" } else { "" }))
+                .collect();
+            log::write(format_args!("walked again from its copy: unknown {}", unknown.join(" ")));
+        }
         for round in 0..8 {
             let mut learned = false;
             for &frame in &raw.frames {
@@ -869,9 +916,13 @@ impl SignalEngine {
         self.managed.retain(|m| m.code.end <= code.code.start || m.code.start >= code.code.end);
         self.managed.push(code);
         self.map_dirty = true;
-        // Addresses cached as unknown may be in it now.
+        // Addresses cached as unknown may be in it now, and the stacks made
+        // of them (a body learned as it was compiled usually changes none).
+        let cached = self.frame_ids.len();
         self.frame_ids.retain(|_, id| *id != UNKNOWN_CODE_KEY);
-        self.stack_ids.clear();
+        if self.frame_ids.len() != cached {
+            self.stack_ids.clear();
+        }
     }
 
     /// Rebuilds the native part of the map if the loader's set changed.
@@ -902,6 +953,7 @@ impl SignalEngine {
             }
         }
         self.natives = natives;
+        self.natives_changed = true;
         self.map_dirty = true;
     }
 
@@ -992,8 +1044,13 @@ impl SignalEngine {
     }
 
     fn publish(&mut self) {
-        let map = CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn)
-            .with_hijack_stub(self.hijack_stub.clone());
+        let map = if self.natives_changed {
+            self.natives_changed = false;
+            CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn)
+                .with_hijack_stub(self.hijack_stub.clone())
+        } else {
+            self.map.with_same_natives(self.managed.clone(), self.stacks.clone())
+        };
         self.managed = map.managed().to_vec();
         self.map = Arc::new(map);
         // While draining, the sampler is out of its place: the handler gets

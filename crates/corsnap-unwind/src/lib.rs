@@ -288,6 +288,21 @@ impl CodeMap {
         CodeMap { natives, unwinder, managed: kept, stacks, sigreturn, hijack_stub: None }
     }
 
+    /// A map with this one's native modules and new managed code and
+    /// stacks. The native unwinder is kept whole, and with it the
+    /// generation framehop's per-thread rule caches are keyed by: a map
+    /// built afresh empties every thread's cache of native unwind rules,
+    /// and the engine publishes a map each time it learns code.
+    pub fn with_same_natives(&self, managed: Vec<ManagedCode>, stacks: Vec<Range<u64>>) -> CodeMap {
+        let fresh = CodeMap::new(Vec::new(), managed, stacks, self.sigreturn);
+        CodeMap {
+            natives: self.natives.clone(),
+            unwinder: self.unwinder.clone(),
+            hijack_stub: self.hijack_stub.clone(),
+            ..fresh
+        }
+    }
+
     /// The map, knowing where the runtime's hijack trampoline is.
     pub fn with_hijack_stub(mut self, stub: Option<HijackStub>) -> CodeMap {
         self.hijack_stub = stub;

@@ -535,6 +535,7 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
                 lines: false,
                 title: String::new(),
                 inverted: false,
+                continuous: None,
             };
             let (process, connection, command) =
                 crate::record::launch_with_output(program, &agent, &listener, &record, &signals, Some(&log))?;
