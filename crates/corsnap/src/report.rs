@@ -6,6 +6,7 @@ use std::io::BufReader;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use corsnap_profile::processes::ProcessProfiles;
 use corsnap_profile::ProfileBuilder;
 use corsnap_wire::{read_message, read_raw_header};
 
@@ -62,8 +63,11 @@ pub fn run(options: &ReportOptions) -> Result<()> {
     let mut builder = ProfileBuilder::new();
     builder.set_native_frames(options.native);
     builder.set_root_frames(options.roots);
+    // A recording of several processes (`record --subprocesses`) names each
+    // before its messages; each goes to a builder of its own.
+    let mut builder = ProcessProfiles::new(builder, options.native, options.roots);
     if crate::output::reads_pdbs(options.lines, OutputFormat::Rendered(format)) {
-        builder.set_source_locator(Box::new(corsnap::source_lines::PdbLocator::new()));
+        builder.set_source_locators(corsnap::source_lines::PdbLocator::boxed);
     }
     let mut scratch = Vec::new();
     loop {

@@ -204,6 +204,11 @@ impl PdbLocator {
         Self::default()
     }
 
+    /// A new locator, boxed, for each process's profile.
+    pub fn boxed() -> Box<dyn SourceLocator> {
+        Box::new(PdbLocator::new())
+    }
+
     /// The lines of `assembly`, or why there are none (`Ok(None)`: no PDB
     /// at all, which is no news). The PDB id it must have is the one the
     /// loaded image named (the agent read it), else the file's.
