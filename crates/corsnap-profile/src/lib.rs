@@ -61,11 +61,48 @@ pub struct Frame {
     /// What the stack showed a Roslyn state machine's `MoveNext` to be
     /// (the same method can be interned once per answer).
     pub state_machine: Option<StateMachine>,
+    /// The source line the sampled code was compiled from, when the
+    /// assembly's PDB says (a method is interned once per line).
+    pub source: Option<SourceLine>,
+}
+
+/// A position in a source file, from a portable PDB's sequence points.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct SourceLine {
+    /// The document's path as the compiler recorded it.
+    pub file: String,
+    pub line: u32,
+}
+
+/// Finds the source line of an IL offset of a method, through the PDB of the
+/// assembly it is in. The command line implements it (reading PDBs is no
+/// business of the profile model, nor of the profiled process).
+pub trait SourceLocator {
+    /// The line `il_offset` of the method with `MethodDef` token
+    /// `method_token`, in `assembly`, was compiled from; `None` when the
+    /// assembly has no matching PDB or the PDB no line for it.
+    fn locate(&mut self, assembly: &Assembly, method_token: u32, il_offset: u32) -> Option<SourceLine>;
+}
+
+/// A loaded assembly, as the agent described it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assembly {
+    /// The path it was loaded from.
+    pub path: String,
+    /// The PDB its loaded image names.
+    pub pdb: Option<corsnap_wire::PdbReference>,
 }
 
 impl Frame {
     pub fn new(name: impl Into<String>, module: impl Into<String>, kind: FrameKind) -> Frame {
-        Frame { name: name.into(), module: module.into(), kind, state_machine: None }
+        Frame { name: name.into(), module: module.into(), kind, state_machine: None, source: None }
+    }
+
+    /// `name (File.cs:42)`: a frame's name with its line, the source file
+    /// shown by its file name alone (py-spy's notation).
+    pub fn name_with_line(name: &str, source: &SourceLine) -> String {
+        let file = source.file.rsplit(['/', '\\']).next().unwrap_or(&source.file);
+        format!("{name} ({file}:{})", source.line)
     }
 
     /// The name a person reads: a managed method the compiler generated as

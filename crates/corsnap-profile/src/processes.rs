@@ -25,6 +25,8 @@ pub struct ProcessProfiles {
     parts: Vec<(u32, String, ProfileBuilder)>,
     /// Which part `apply` feeds (a raw recording's `Process` messages switch it).
     current: usize,
+    /// Makes each process's source locator (`--lines`, pprof), if any.
+    locators: Option<fn() -> Box<dyn crate::SourceLocator>>,
 }
 
 impl ProcessProfiles {
@@ -32,7 +34,16 @@ impl ProcessProfiles {
     /// may have messages already; its pid and name come with the first
     /// `Process` message or [`ProcessProfiles::name_main`]).
     pub fn new(main: ProfileBuilder, native: NativeFrames, roots: RootFrames) -> ProcessProfiles {
-        ProcessProfiles { native, roots, parts: vec![(0, String::new(), main)], current: 0 }
+        ProcessProfiles { native, roots, parts: vec![(0, String::new(), main)], current: 0, locators: None }
+    }
+
+    /// Gives every process's builder, those to come too, a source locator
+    /// made by `make` ([`ProfileBuilder::set_source_locator`]).
+    pub fn set_source_locators(&mut self, make: fn() -> Box<dyn crate::SourceLocator>) {
+        self.locators = Some(make);
+        for (_, _, builder) in &mut self.parts {
+            builder.set_source_locator(make());
+        }
     }
 
     pub fn name_main(&mut self, pid: u32, name: &str) {
@@ -68,6 +79,9 @@ impl ProcessProfiles {
         let mut builder = ProfileBuilder::new();
         builder.set_native_frames(self.native);
         builder.set_root_frames(self.roots);
+        if let Some(make) = self.locators {
+            builder.set_source_locator(make());
+        }
         self.parts.push((pid, name.to_string(), builder));
         self.parts.len() - 1
     }
@@ -143,6 +157,7 @@ mod tests {
             truncated: false,
             leaf: String::new(),
             frames,
+            il_offsets: Vec::new(),
         }
     }
 

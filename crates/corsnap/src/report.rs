@@ -23,6 +23,8 @@ pub struct ReportOptions {
     pub native: corsnap_profile::NativeFrames,
     pub roots: corsnap_profile::RootFrames,
     pub raw_names: bool,
+    /// Frames split by source line, named `Method (File.cs:42)`.
+    pub lines: bool,
 }
 
 pub fn run(options: &ReportOptions) -> Result<()> {
@@ -64,6 +66,9 @@ pub fn run(options: &ReportOptions) -> Result<()> {
     // A recording of several processes (`record --subprocesses`) names each
     // before its messages; each goes to a builder of its own.
     let mut builder = ProcessProfiles::new(builder, options.native, options.roots);
+    if crate::output::reads_pdbs(options.lines, OutputFormat::Rendered(format)) {
+        builder.set_source_locators(corsnap::source_lines::PdbLocator::boxed);
+    }
     let mut scratch = Vec::new();
     loop {
         match read_message(&mut input, &mut scratch) {
@@ -91,6 +96,7 @@ pub fn run(options: &ReportOptions) -> Result<()> {
         title: options.title.clone(),
         inverted: options.inverted,
         raw_names: options.raw_names,
+        lines: options.lines,
     };
     outputs.write(&profile, &write_options, &[])?;
     eprintln!("corsnap: wrote {} ({samples} samples)", paths.join(", "));

@@ -535,6 +535,7 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
                 native: options.native,
                 roots: options.roots,
                 raw_names: options.raw_names,
+                lines: false,
                 title: String::new(),
                 inverted: false,
                 subprocesses: false,
@@ -739,6 +740,7 @@ mod tests {
             truncated: false,
             leaf: String::new(),
             frames,
+            il_offsets: Vec::new(),
         };
         view.apply(&sample);
         let (all, _) = view.all.view(None);

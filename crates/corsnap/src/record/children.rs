@@ -26,6 +26,9 @@ impl ChildRecording {
         let mut builder = ProfileBuilder::new();
         builder.set_native_frames(options.native);
         builder.set_root_frames(options.roots);
+        if crate::output::reads_pdbs(options.lines, options.format) {
+            builder.set_source_locator(corsnap::source_lines::PdbLocator::boxed());
+        }
         ChildRecording { pid, name, connection: Some(connection), builder }
     }
 

@@ -64,6 +64,8 @@ pub struct RecordOptions {
     pub roots: corsnap_profile::RootFrames,
     /// Method names as the runtime gives them, not readable.
     pub raw_names: bool,
+    /// Frames split by source line, named `Method (File.cs:42)`.
+    pub lines: bool,
     /// Flame graph title (empty: the command).
     pub title: String,
     /// Icicle flame graphs.
@@ -174,6 +176,7 @@ impl RecordOptions {
             title: self.title.clone(),
             inverted: self.inverted,
             raw_names: self.raw_names,
+            lines: self.lines,
         }
     }
 }
@@ -280,6 +283,9 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     let mut builder = ProfileBuilder::new();
     builder.set_native_frames(options.native);
     builder.set_root_frames(options.roots);
+    if crate::output::reads_pdbs(options.lines, options.format) {
+        builder.set_source_locator(corsnap::source_lines::PdbLocator::boxed());
+    }
     let recording = Message::Recording { command: command_line, start_unix_ms: unix_ms() };
     builder.apply(&recording);
     let mut raw = match options.format {
