@@ -4,6 +4,8 @@
 //! ([`files`]), Grafana Pyroscope's push API ([`pyroscope`]), OTLP profiles
 //! ([`otlp`]). py-spy's recorder is the model: the recording loop knows
 //! nothing of where windows go, only that each sink takes them one by one.
+//! A plain recording (no `--interval`) takes the same path: one window,
+//! the whole recording, to [`files::RecordingFiles`].
 //!
 //! Cutting. The agent stamps each sample with its own clock (nanoseconds
 //! since it started); corsnap maps that clock to the wall clock by the
