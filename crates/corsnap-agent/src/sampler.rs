@@ -69,11 +69,14 @@ pub struct Channel {
 }
 
 impl Channel {
-    pub fn connect(path: &str) -> io::Result<Channel> {
+    /// `shared`: other processes connect to the same socket (`record
+    /// --subprocesses`), so it stays where it is.
+    pub fn connect(path: &str, shared: bool) -> io::Result<Channel> {
         let stream = UnixStream::connect(path)?;
-        // Only the user we run as may steer us.
+        // Only the user we run as may steer us, or root (`sudo corsnap
+        // record --pid`), who may do anything to this process anyway.
         let (_, peer_uid) = corsnap_abi::peer_credentials(&stream)?;
-        if peer_uid != corsnap_abi::current_uid() {
+        if peer_uid != corsnap_abi::current_uid() && peer_uid != 0 {
             return Err(io::Error::new(io::ErrorKind::PermissionDenied, format!("socket owned by uid {peer_uid}")));
         }
         stream.set_write_timeout(Some(Duration::from_secs(5)))?;
@@ -83,7 +86,7 @@ impl Channel {
         let path = std::path::Path::new(path);
         let in_corsnap_dir =
             path.parent().and_then(|d| d.file_name()).is_some_and(|n| n.to_string_lossy().starts_with("corsnap-"));
-        if in_corsnap_dir {
+        if in_corsnap_dir && !shared {
             let _ = std::fs::remove_file(path);
             if let Some(dir) = path.parent() {
                 let _ = std::fs::remove_dir(dir);

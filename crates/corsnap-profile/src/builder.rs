@@ -146,7 +146,8 @@ impl ProfileBuilder {
             Message::Stats(stats) => self.profile.meta.stats = Some(*stats),
             Message::Notice { severity, text } => self.notices.push((*severity, text.clone())),
             Message::Goodbye { reason } => self.goodbye = Some(reason.clone()),
-            Message::SnapshotEnd => {}
+            // Routed by `ProcessProfiles`, never reaches a single builder's profile.
+            Message::SnapshotEnd | Message::Process { .. } => {}
         }
     }
 

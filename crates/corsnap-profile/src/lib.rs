@@ -7,6 +7,7 @@
 mod builder;
 pub mod limits;
 pub mod names;
+pub mod processes;
 pub mod roots;
 pub mod writers;
 
@@ -43,6 +44,9 @@ pub enum FrameKind {
     /// What an event was about, above the stack: an exception's or
     /// allocation's type, a loaded class, a collection.
     Subject,
+    /// The process a stack came from, at the root of every stack of a
+    /// recording of several (`record --subprocesses`): `process 1234:"app"`.
+    Process,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -262,6 +266,40 @@ impl Profile {
         match self.os_thread_names.get(&thread.os_tid) {
             Some(kernel) if thread.name.is_empty() && !kernel.is_empty() => format!("{kernel} tid={}", thread.os_tid),
             _ => thread.label(),
+        }
+    }
+
+    /// Adds `other`'s samples (and the threads, frames and collections they
+    /// use) to this profile, each stack under `root` when given.
+    pub fn absorb(&mut self, other: &Profile, root: Option<Frame>) {
+        let root = root.map(|f| self.intern_frame(f));
+        let mut frames: HashMap<FrameIdx, FrameIdx> = HashMap::new();
+        let mut stacks: HashMap<StackIdx, StackIdx> = HashMap::new();
+        let mut threads: HashMap<ThreadIdx, ThreadIdx> = HashMap::new();
+        for sample in &other.samples {
+            let stack = match stacks.get(&sample.stack) {
+                Some(&s) => s,
+                None => {
+                    let mut mapped: Vec<FrameIdx> = other.stacks[sample.stack as usize]
+                        .iter()
+                        .map(|&f| {
+                            *frames.entry(f).or_insert_with(|| self.intern_frame(other.frames[f as usize].clone()))
+                        })
+                        .collect();
+                    mapped.extend(root);
+                    let s = self.intern_stack(&mapped);
+                    stacks.insert(sample.stack, s);
+                    s
+                }
+            };
+            let thread = *threads
+                .entry(sample.thread)
+                .or_insert_with(|| self.intern_thread(other.threads[sample.thread as usize].clone()));
+            self.samples.push(Sample { stack, thread, ..*sample });
+        }
+        self.gcs.extend_from_slice(&other.gcs);
+        for (tid, name) in &other.os_thread_names {
+            self.os_thread_names.entry(*tid).or_insert_with(|| name.clone());
         }
     }
 

@@ -25,6 +25,14 @@ pub const RAW_VERSION: u32 = 1;
 
 /// The environment variable that tells a launched agent where the CLI listens.
 pub const ENV_SOCKET: &str = "CORSNAP_SOCKET";
+/// The pid of the corsnap that launched the program. An agent loaded at
+/// start-up by a process that is not that corsnap's child (a process the
+/// program started, inheriting the environment) stays out, unless
+/// [`ENV_SUBPROCESSES`] is `1`.
+pub const ENV_CLI_PID: &str = "CORSNAP_CLI_PID";
+/// `1`: the program's own .NET child processes are recorded too (`record
+/// --subprocesses`); they connect to the same socket, which stays in place.
+pub const ENV_SUBPROCESSES: &str = "CORSNAP_SUBPROCESSES";
 /// Sampling rate for a launched agent, in Hz.
 pub const ENV_RATE: &str = "CORSNAP_RATE_HZ";
 /// Most of the program's wall time, in parts per million, that slow ticks
@@ -210,6 +218,10 @@ pub enum Message {
     /// One garbage collection: the deepest generation collected, the
     /// runtime's `COR_PRF_GC_REASON`, and how long it took.
     Gc { time_ns: u64, generation: u32, reason: u32, pause_ns: u64 },
+    /// CLI-side, in a raw recording of several processes (`record
+    /// --subprocesses`): the messages that follow, up to the next `Process`,
+    /// came from this process. The first names the program corsnap started.
+    Process { pid: u32, name: String },
 }
 
 /// What a sample records; each kind becomes its own profile.
@@ -311,6 +323,7 @@ mod tag {
     pub const SNAPSHOT_END: u8 = 9;
     pub const GC: u8 = 10;
     pub const OS_THREAD_NAME: u8 = 11;
+    pub const PROCESS: u8 = 12;
 }
 
 /// Why bytes could not be turned into a message.
@@ -462,6 +475,11 @@ impl Message {
                 w.u32(*reason);
                 w.u64(*pause_ns);
             }
+            Message::Process { pid, name } => {
+                w.u8(tag::PROCESS);
+                w.u32(*pid);
+                w.str(name);
+            }
         }
         finish_frame(buf, start);
     }
@@ -522,6 +540,7 @@ impl Message {
             }
             tag::GOODBYE => Message::Goodbye { reason: r.string()? },
             tag::RECORDING => Message::Recording { command: r.string()?, start_unix_ms: r.u64()? },
+            tag::PROCESS => Message::Process { pid: r.u32()?, name: r.string()? },
             tag::SNAPSHOT_END => Message::SnapshotEnd,
             tag::GC => Message::Gc { time_ns: r.u64()?, generation: r.u32()?, reason: r.u32()?, pause_ns: r.u64()? },
             other => return Err(DecodeError::UnknownTag(other)),
@@ -940,6 +959,7 @@ mod tests {
             Message::Notice { severity: Severity::Warning, text: "héllo".into() },
             Message::Goodbye { reason: "shutdown".into() },
             Message::Recording { command: "dotnet app.dll".into(), start_unix_ms: 5 },
+            Message::Process { pid: 4242, name: "child".into() },
             Message::SnapshotEnd,
             Message::Gc { time_ns: 3, generation: 2, reason: 1, pause_ns: 12345 },
         ]

@@ -6,6 +6,7 @@ use std::io::BufReader;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use corsnap_profile::processes::ProcessProfiles;
 use corsnap_profile::ProfileBuilder;
 use corsnap_wire::{read_message, read_raw_header};
 
@@ -60,6 +61,9 @@ pub fn run(options: &ReportOptions) -> Result<()> {
     let mut builder = ProfileBuilder::new();
     builder.set_native_frames(options.native);
     builder.set_root_frames(options.roots);
+    // A recording of several processes (`record --subprocesses`) names each
+    // before its messages; each goes to a builder of its own.
+    let mut builder = ProcessProfiles::new(builder, options.native, options.roots);
     let mut scratch = Vec::new();
     loop {
         match read_message(&mut input, &mut scratch) {

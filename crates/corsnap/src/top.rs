@@ -486,7 +486,10 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
     if let Target::Attach(pid) = options.target {
         crate::diagnostics::find_socket(pid)?;
     }
-    let listener = Listener::new()?;
+    let listener = match options.target {
+        Target::Attach(pid) => Listener::for_process(pid)?,
+        Target::Launch(_) => Listener::new()?,
+    };
     let signals = StopSignals::install()?;
     let mut program_output = None;
     let (connection, title, child) = match &options.target {
@@ -534,6 +537,7 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
                 raw_names: options.raw_names,
                 title: String::new(),
                 inverted: false,
+                subprocesses: false,
                 continuous: None,
             };
             let (process, connection, command) =

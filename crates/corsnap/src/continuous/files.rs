@@ -172,6 +172,9 @@ pub struct RecordingFiles {
     options: WriteOptions,
     /// The raw recording so far, with `-f raw`.
     raw: Option<Vec<u8>>,
+    /// The process the raw recording's last message came from, in a
+    /// recording of several.
+    raw_process: Option<u32>,
     /// What was written, as messages name it.
     written: Vec<String>,
 }
@@ -187,7 +190,7 @@ impl RecordingFiles {
             }
             OutputFormat::Rendered(_) => None,
         };
-        Ok(RecordingFiles { outputs: Some(outputs), options, raw, written: Vec::new() })
+        Ok(RecordingFiles { outputs: Some(outputs), options, raw, raw_process: None, written: Vec::new() })
     }
 }
 
@@ -196,10 +199,17 @@ impl Sink for RecordingFiles {
         self.outputs.as_ref().map(|o| o.describe().join(", ")).unwrap_or_default()
     }
 
-    fn message(&mut self, msg: &Message) {
-        if let Some(raw) = &mut self.raw {
-            msg.encode_into(raw);
+    /// A `Process` message goes before each run of messages from one
+    /// process, so `corsnap report` gives each its own builder.
+    fn message(&mut self, from: Option<(u32, &str)>, msg: &Message) {
+        let Some(raw) = &mut self.raw else { return };
+        if let Some((pid, name)) = from {
+            if self.raw_process != Some(pid) {
+                Message::Process { pid, name: name.to_string() }.encode_into(raw);
+                self.raw_process = Some(pid);
+            }
         }
+        msg.encode_into(raw);
     }
 
     fn window(&mut self, window: &Window, refused: &[EventKind]) -> Result<()> {

@@ -44,8 +44,9 @@ pub trait Sink {
     /// What the sink is, for messages (`files /var/log/p-%n{3}.pb.gz`).
     fn describe(&self) -> String;
     /// Sees each message from the agent as it arrives, before any window
-    /// holds it: only a raw recording keeps them.
-    fn message(&mut self, _msg: &Message) {}
+    /// holds it: only a raw recording keeps them. `from`: the process it
+    /// came from, when several are recorded (`--subprocesses`).
+    fn message(&mut self, _from: Option<(u32, &str)>, _msg: &Message) {}
     /// Takes one window; `refused`: event kinds asked for that the runtime
     /// said it cannot record (they get no file). An error is reported and
     /// recording goes on (a whole recording's is the command's error).
@@ -223,10 +224,12 @@ impl Windows {
     }
 
     /// Each message as it arrives: the agent's clock is learned from it,
-    /// and sinks that keep messages (`-f raw`) keep it.
-    pub fn message(&mut self, msg: &Message) {
+    /// and sinks that keep messages (`-f raw`) keep it. `from`: the process
+    /// it came from, when several are recorded (`--subprocesses`, only ever
+    /// one whole window, so the clock of a child's agent cuts nothing).
+    pub fn message(&mut self, from: Option<(u32, &str)>, msg: &Message) {
         for sink in &mut self.sinks {
-            sink.message(msg);
+            sink.message(from, msg);
         }
         let stamp = match msg {
             Message::Hello { .. } => 0,
@@ -249,7 +252,15 @@ impl Windows {
     /// The last window, up to now, and every sink finished within `limit`.
     /// A whole recording's window that cannot be written is the error;
     /// with `--interval` it is reported, as any window's.
-    pub fn finish(&mut self, mut builder: ProfileBuilder, limit: Duration) -> Result<Finished> {
+    /// A whole recording's profile is made by `whole` from the builder
+    /// (`ProfileBuilder::finish`; with `--subprocesses`, every process's
+    /// profile under its own root frame).
+    pub fn finish(
+        &mut self,
+        mut builder: ProfileBuilder,
+        limit: Duration,
+        whole: impl FnOnce(ProfileBuilder) -> Profile,
+    ) -> Result<Finished> {
         let now = (unix_now_ns() / 1_000_000 * 1_000_000).max(self.window_start_ns);
         self.window_end_ns = now;
         let window = match self.interval {
@@ -257,7 +268,7 @@ impl Windows {
             None => {
                 // The profile as built: its tables whole and in order, its
                 // start the recording's.
-                let profile = builder.finish();
+                let profile = whole(builder);
                 let start_unix_ns = profile.meta.start_unix_ms * 1_000_000;
                 Window { index: 0, start_unix_ns, duration_ns: now.saturating_sub(start_unix_ns), profile }
             }
@@ -362,7 +373,7 @@ mod tests {
         w.agent_epoch_unix_ns = Some(0);
         w.tick(&mut b);
         assert!(seen.borrow().is_empty());
-        let finished = w.finish(b, Duration::from_secs(1)).unwrap();
+        let finished = w.finish(b, Duration::from_secs(1), ProfileBuilder::finish).unwrap();
         let seen = seen.borrow();
         assert_eq!(seen.len(), 1);
         assert_eq!(seen[0].0, 1_700_000_000_000_000_000, "the recording's own start");
@@ -386,10 +397,12 @@ mod tests {
 
     #[test]
     fn a_whole_recording_that_cannot_be_written_is_an_error_and_a_window_of_an_interval_is_not() {
-        let err = Windows::whole(vec![Box::new(Failing)]).finish(ProfileBuilder::new(), Duration::ZERO).unwrap_err();
+        let err = Windows::whole(vec![Box::new(Failing)])
+            .finish(ProfileBuilder::new(), Duration::ZERO, ProfileBuilder::finish)
+            .unwrap_err();
         assert_eq!(err.to_string(), "disk full");
         let mut every = Windows::every(Duration::from_secs(1), vec![Box::new(Failing)]);
-        assert!(every.finish(ProfileBuilder::new(), Duration::ZERO).is_ok());
+        assert!(every.finish(ProfileBuilder::new(), Duration::ZERO, ProfileBuilder::finish).is_ok());
     }
 
     #[test]
@@ -409,7 +422,7 @@ mod tests {
         c.cut(&mut b, second_end);
         // A late sample of the first window lands in the next one.
         b.add_sample(1, 1, false, &[], 1);
-        c.finish(b, Duration::from_secs(1)).unwrap();
+        c.finish(b, Duration::from_secs(1), ProfileBuilder::finish).unwrap();
         let seen = seen.borrow();
         assert_eq!(seen.len(), 3);
         assert_eq!(seen.iter().map(|w| w.2).sum::<usize>(), 31);

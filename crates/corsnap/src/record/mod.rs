@@ -1,6 +1,7 @@
 //! `corsnap record -- <program>`: run a program with the agent loaded and
 //! turn what it sends into a profile.
 
+mod children;
 mod describe;
 mod launch;
 mod process;
@@ -11,9 +12,11 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
+use corsnap_profile::processes::ProcessProfiles;
 use corsnap_profile::{NativeFrames, ProfileBuilder};
 use corsnap_wire::{AttachRequest, Command as AgentCommand, EventKind, Message, SamplerKind, Severity};
 
+use self::children::ChildRecording;
 use self::describe::StatusLine;
 pub use self::describe::{describe_gcs, describe_stats, plural};
 pub(crate) use self::launch::launch_with_output;
@@ -68,6 +71,8 @@ pub struct RecordOptions {
     pub inverted: bool,
     /// `--interval`: cut the recording into windows sent to sinks.
     pub continuous: Option<ContinuousOptions>,
+    /// Record the program's .NET child processes too.
+    pub subprocesses: bool,
 }
 
 /// What continuous recording (`--interval`) was asked for.
@@ -191,7 +196,13 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     let mut windows = windows_for(options, &name)?;
     // On any error from here on, dropping `windows` removes the temporary
     // files of its sinks: nothing is left under the output's name.
-    let listener = Listener::new()?;
+    let mut listener = match options.target {
+        Target::Attach(pid) => Listener::for_process(pid)?,
+        Target::Launch(_) => Listener::new()?,
+    };
+    if options.subprocesses {
+        listener.share_with_descendants();
+    }
     let interrupted = StopSignals::install()?;
     let (mut process, mut connection, command_line) = match &options.target {
         Target::Launch(program) => match launch(program, &agent, &listener, options, &interrupted) {
@@ -223,6 +234,13 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
         }
     };
     let started = Instant::now();
+    let main_pid = match &process {
+        Process::Child { child, .. } => child.id(),
+        Process::Attached { pid } => *pid,
+    };
+    // With --subprocesses: the program's .NET child processes, each with
+    // its connection and its own builder.
+    let mut children: Vec<ChildRecording> = Vec::new();
     // The first window starts now, when sampling does.
     windows.restart_clock();
     if let Some(interval) = windows.interval() {
@@ -234,41 +252,72 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     builder.set_root_frames(options.roots);
     let mut status = StatusLine::new();
     let mut agent_failed: Option<String> = None;
-    let mut on_message =
-        |msg: &Message, builder: &mut ProfileBuilder, windows: &mut Windows, status: &mut StatusLine| {
-            windows.message(msg);
-            builder.apply(msg);
-            for (severity, text) in builder.take_notices() {
-                status.clear();
-                match severity {
-                    Severity::Error => {
-                        eprintln!("corsnap: error: {text}");
-                        agent_failed = Some(text);
-                    }
-                    Severity::Warning => {
-                        // `--event alloc` on .NET Core 3.1: no file for it.
-                        if let Some(kind) = refused_event(&text) {
-                            windows.refuse(kind);
-                        }
-                        eprintln!("corsnap: warning: {text}")
-                    }
-                    Severity::Info => eprintln!("corsnap: {text}"),
-                }
-            }
+    // `child`: the message came from a child process (--subprocesses), not
+    // from the program corsnap started.
+    let subprocesses = options.subprocesses;
+    let mut on_message = |msg: &Message,
+                          builder: &mut ProfileBuilder,
+                          windows: &mut Windows,
+                          status: &mut StatusLine,
+                          child: Option<(u32, &str)>| {
+        // With several processes, each message says whose it is (a raw
+        // recording marks every change of process).
+        let from = match child {
+            Some(c) => Some(c),
+            None if subprocesses => Some((main_pid, name.as_str())),
+            None => None,
         };
+        windows.message(from, msg);
+        builder.apply(msg);
+        for (severity, text) in builder.take_notices() {
+            status.clear();
+            if let Some((pid, child_name)) = child {
+                // A child's trouble is its own: said, and the recording goes on.
+                eprintln!("corsnap: process {pid} ({child_name}): {text}");
+                continue;
+            }
+            match severity {
+                Severity::Error => {
+                    eprintln!("corsnap: error: {text}");
+                    agent_failed = Some(text);
+                }
+                Severity::Warning => {
+                    // `--event alloc` on .NET Core 3.1: no file for it.
+                    if let Some(kind) = refused_event(&text) {
+                        windows.refuse(kind);
+                    }
+                    eprintln!("corsnap: warning: {text}")
+                }
+                Severity::Info => eprintln!("corsnap: {text}"),
+            }
+        }
+    };
+    // The recording's header belongs to no one process: it comes first,
+    // before any process is named.
     let recording = Message::Recording { command: command_line, start_unix_ms: unix_ms() };
-    on_message(&recording, &mut builder, &mut windows, &mut status);
+    windows.message(None, &recording);
+    builder.apply(&recording);
 
     let mut agent_gone = false;
     let mut first_sample: Option<Duration> = None;
     let stop_reason = loop {
+        if subprocesses {
+            while let Some((pid, connection)) = listener.accept_descendant(main_pid) {
+                children.push(ChildRecording::new(pid, connection, options));
+            }
+            for c in children.iter_mut() {
+                c.drain(Duration::ZERO, |msg, builder, pid, name| {
+                    on_message(msg, builder, &mut windows, &mut status, Some((pid, name)))
+                });
+            }
+        }
         if let Some(event) = connection.next_event(Duration::from_millis(100)) {
             match event {
                 Event::Message(msg) => {
                     if first_sample.is_none() && matches!(msg, Message::Sample { .. }) {
                         first_sample = Some(invoked.elapsed());
                     }
-                    on_message(&msg, &mut builder, &mut windows, &mut status);
+                    on_message(&msg, &mut builder, &mut windows, &mut status, None);
                     if let Message::Goodbye { reason } = &msg {
                         agent_gone = true;
                         // Ctrl-C reaches the program too, whose runtime then
@@ -322,7 +371,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
         if matches!(process, Process::Attached { .. }) && process.has_exited() {
             // Drain what the agent sent before the process died.
             while let Some(Event::Message(msg)) = connection.next_event(Duration::from_millis(200)) {
-                on_message(&msg, &mut builder, &mut windows, &mut status);
+                on_message(&msg, &mut builder, &mut windows, &mut status, None);
             }
             agent_gone = true;
             break "the process exited".to_string();
@@ -339,7 +388,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
             match connection.next_event(Duration::from_millis(100)) {
                 Some(Event::Message(msg)) => {
                     let bye = matches!(msg, Message::Goodbye { .. });
-                    on_message(&msg, &mut builder, &mut windows, &mut status);
+                    on_message(&msg, &mut builder, &mut windows, &mut status, None);
                     if bye {
                         break;
                     }
@@ -347,6 +396,24 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                 Some(Event::Closed(_)) => break,
                 None => {}
             }
+        }
+    }
+    // The children still recording are asked to leave too (their programs
+    // run on), and what they send on the way out is kept.
+    for c in children.iter_mut().filter(|c| c.connection.is_some()) {
+        c.detach();
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while children.iter().any(|c| c.connection.is_some()) && Instant::now() < deadline {
+        for c in children.iter_mut() {
+            c.drain(Duration::from_millis(10), |msg, builder, pid, name| {
+                on_message(msg, builder, &mut windows, &mut status, Some((pid, name)))
+            });
+        }
+    }
+    for c in children.iter_mut() {
+        if let Some(connection) = c.connection.take() {
+            connection.close();
         }
     }
     let goodbye_at = invoked.elapsed();
@@ -373,11 +440,23 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
             Process::Attached { .. } => ExitCode::from(2),
         });
     }
-    let threads = builder.thread_count();
+    let threads = builder.thread_count() + children.iter().map(|c| c.builder.thread_count()).sum::<usize>();
     let agent_stats = builder.stats();
-    let finished = windows.finish(builder, FLUSH_LIMIT)?;
+    let processes = children.len() + 1;
+    let finished = windows.finish(builder, FLUSH_LIMIT, |builder| {
+        if !subprocesses {
+            return builder.finish();
+        }
+        let mut all = ProcessProfiles::new(builder, options.native, options.roots);
+        all.name_main(main_pid, &name);
+        for c in children {
+            all.insert(c.pid, &c.name, c.builder);
+        }
+        all.finish()
+    })?;
+    let from_processes = if subprocesses { format!(" in {processes} processes") } else { String::new() };
     let totals = format!(
-        "{} from {}; recording ended: {stop_reason}",
+        "{} from {}{from_processes}; recording ended: {stop_reason}",
         plural(windows.samples as usize, "sample"),
         plural(threads, "thread")
     );
