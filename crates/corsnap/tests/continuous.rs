@@ -111,7 +111,10 @@ use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 struct Received {
     path: String,
     headers: Vec<(String, String)>,
+    /// The body as sent, decompressed as its `Content-Encoding` says.
     body: Vec<u8>,
+    /// The body's size on the wire.
+    wire_bytes: usize,
     /// The status the receiver answered.
     status: u16,
 }
@@ -140,19 +143,30 @@ impl Receiver {
         let thread_server = server.clone();
         let thread = std::thread::spawn(move || {
             for (n, mut request) in thread_server.incoming_requests().enumerate() {
-                let mut body = Vec::new();
-                request.as_reader().read_to_end(&mut body).unwrap();
-                let status = answer(n);
-                let received = Received {
-                    path: request.url().to_string(),
-                    headers: request
-                        .headers()
-                        .iter()
-                        .map(|h| (h.field.as_str().to_string(), h.value.as_str().to_string()))
-                        .collect(),
-                    body,
-                    status,
+                let mut wire = Vec::new();
+                request.as_reader().read_to_end(&mut wire).unwrap();
+                let headers: Vec<(String, String)> = request
+                    .headers()
+                    .iter()
+                    .map(|h| (h.field.as_str().to_string(), h.value.as_str().to_string()))
+                    .collect();
+                let encoding = headers.iter().find(|(k, _)| k.eq_ignore_ascii_case("Content-Encoding"));
+                // As a server does: a body it cannot decode is refused
+                // (415), and the test sees it.
+                let (body, mut status) = match encoding.map(|(_, v)| v.to_ascii_lowercase()) {
+                    None => (wire.clone(), 200),
+                    Some(e) if e == "identity" => (wire.clone(), 200),
+                    Some(e) if e == "gzip" => match try_gunzip(&wire) {
+                        Some(body) => (body, 200),
+                        None => (Vec::new(), 400),
+                    },
+                    Some(_) => (Vec::new(), 415),
                 };
+                if status == 200 {
+                    status = answer(n);
+                }
+                let received =
+                    Received { path: request.url().to_string(), headers, wire_bytes: wire.len(), body, status };
                 let _ = request.respond(tiny_http::Response::from_string("").with_status_code(status));
                 if tx.send(received).is_err() {
                     break;
@@ -177,10 +191,14 @@ impl Drop for Receiver {
     }
 }
 
-fn gunzip(data: &[u8]) -> Vec<u8> {
+fn try_gunzip(data: &[u8]) -> Option<Vec<u8>> {
     let mut out = Vec::new();
-    flate2::read::GzDecoder::new(data).read_to_end(&mut out).expect("gzip");
-    out
+    flate2::read::GzDecoder::new(data).read_to_end(&mut out).ok()?;
+    Some(out)
+}
+
+fn gunzip(data: &[u8]) -> Vec<u8> {
+    try_gunzip(data).expect("gzip")
 }
 
 /// What a window's pprof says: its time, duration, and function names.
@@ -295,6 +313,10 @@ fn windows_pushed_to_pyroscope_and_otlp_are_labelled_consecutive_and_show_the_ho
     for push in &pushes {
         assert_eq!(push.path, "/push.v1.PusherService/Push");
         assert_eq!(push.header("Content-Type"), Some("application/proto"));
+        // The body gzipped, as pyroscope-rs sends it; the receiver has
+        // decompressed it.
+        assert_eq!(push.header("Content-Encoding"), Some("gzip"));
+        assert_eq!(push.status, 200, "the receiver could not decode the body");
         assert_eq!(push.header("Authorization"), Some("Bearer s3cret-token"));
         assert_eq!(push.header("X-Scope-OrgID"), Some("team-a"));
         let request = push::PushRequest::decode(push.body.as_slice()).expect("a PushRequest");
@@ -318,6 +340,12 @@ fn windows_pushed_to_pyroscope_and_otlp_are_labelled_consecutive_and_show_the_ho
         windows.push((w.start_ns, w.duration_ns));
     }
     assert!(hot_windows >= pushes.len() - 1, "Service.Crunch in {hot_windows} of {} windows", pushes.len());
+    eprintln!(
+        "{} pushes: {} bytes gzipped on the wire, {} decompressed",
+        pushes.len(),
+        pushes.iter().map(|p| p.wire_bytes).sum::<usize>(),
+        pushes.iter().map(|p| p.body.len()).sum::<usize>()
+    );
     // Windows without samples are not pushed, so only a run of windows
     // that all had samples is consecutive; the service is busy throughout.
     assert_consecutive_and_aligned(&windows, 2_000_000_000);
@@ -331,8 +359,9 @@ fn windows_pushed_to_pyroscope_and_otlp_are_labelled_consecutive_and_show_the_ho
         assert_eq!(export.path, "/v1development/profiles");
         assert_eq!(export.header("Content-Type"), Some("application/x-protobuf"));
         assert_eq!(export.header("Content-Encoding"), Some("gzip"));
-        let request = ExportProfilesServiceRequest::decode(gunzip(&export.body).as_slice())
-            .expect("an ExportProfilesServiceRequest");
+        assert_eq!(export.status, 200, "the receiver could not decode the body");
+        let request =
+            ExportProfilesServiceRequest::decode(export.body.as_slice()).expect("an ExportProfilesServiceRequest");
         let dict = request.dictionary.as_ref().expect("a dictionary");
         assert_eq!(dict.string_table[0], "", "entry 0 of the string table is empty");
         assert_eq!(dict.stack_table[0].location_indices.len(), 0, "entry 0 of the stack table is the zero value");

@@ -3,15 +3,18 @@
 //! local time), `%n{MAX}` the window's number modulo MAX (a ring of MAX
 //! files, so disk use stays bounded), `%n` the window's number, `%%` a `%`.
 //! Each file is written beside its name and renamed onto it when complete,
-//! so a reader never sees half a window.
+//! so a reader never sees half a window. A recording without `--interval`
+//! is one window, written to the files `-o` names ([`RecordingFiles`]).
 
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use anyhow::{bail, Result};
 use corsnap_profile::writers::WriteOptions;
+use corsnap_wire::{EventKind, Message};
 
 use super::{Sink, Window};
-use crate::output::{path_for_kind, OutputFile, OutputFormat};
+use crate::output::{OutputFile, OutputFormat, Outputs};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Part {
@@ -118,12 +121,6 @@ impl FileSink {
     /// Checks that the files can be written (the first one's folder) before
     /// anything runs. `pid`: the recorded process's, when already known.
     pub fn new(pattern: FilePattern, format: OutputFormat, options: WriteOptions, pid: u32) -> Result<FileSink> {
-        if format == OutputFormat::Raw {
-            bail!(
-                "-f raw cannot be cut into windows (a raw recording is one stream): with --interval choose pprof, \
-                 speedscope, collapsed or flamegraph"
-            );
-        }
         let first = pattern.expand(pid, 0, 0);
         let folder = first.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         if !folder.is_dir() {
@@ -141,22 +138,11 @@ impl Sink for FileSink {
         format!("files {}", self.pattern.as_str())
     }
 
-    fn window(&mut self, window: &Window) -> Result<()> {
-        let OutputFormat::Rendered(format) = self.format else { unreachable!("refused in FileSink::new") };
+    fn window(&mut self, window: &Window, refused: &[EventKind]) -> Result<()> {
         let pid = if window.profile.meta.pid != 0 { window.profile.meta.pid } else { self.pid };
         let path = self.pattern.expand(pid, (window.start_unix_ns / 1_000_000_000) as i64, window.index);
-        let kinds = window.profile.kinds();
-        if format.holds_many_kinds() || kinds.len() <= 1 {
-            OutputFile::create(&path)?.write_profile(&window.profile, format, &self.options)?;
-        } else {
-            for kind in kinds {
-                OutputFile::create(&path_for_kind(&path, kind))?.write_profile(
-                    &window.profile.only(kind),
-                    format,
-                    &self.options,
-                )?;
-            }
-        }
+        // A file per kind the window holds, for formats that hold one.
+        Outputs::create(&path, self.format, &window.profile.kinds())?.write(&window.profile, &self.options, refused)?;
         self.written += 1;
         self.last = Some(path);
         Ok(())
@@ -172,7 +158,85 @@ impl Sink for FileSink {
     }
 }
 
-use std::time::Instant;
+/// A recording without `--interval`: its one window, the whole recording,
+/// to the files `-o` names (one per event kind for the formats that hold
+/// one profile: `x.cpu.svg`, `x.exceptions.svg`). They are opened before
+/// anything runs, so an output that cannot be written is refused before the
+/// program starts; see [`Outputs`] for temporary files, devices, FIFOs and
+/// standard output. With `-f raw` every message is kept as it arrives, for
+/// `corsnap report` to render later in any format.
+#[derive(Debug)]
+pub struct RecordingFiles {
+    /// `None` once written (or given up).
+    outputs: Option<Outputs>,
+    options: WriteOptions,
+    /// The raw recording so far, with `-f raw`.
+    raw: Option<Vec<u8>>,
+    /// The process the raw recording's last message came from, in a
+    /// recording of several.
+    raw_process: Option<u32>,
+    /// What was written, as messages name it.
+    written: Vec<String>,
+}
+
+impl RecordingFiles {
+    pub fn create(path: &Path, format: OutputFormat, kinds: &[EventKind], options: WriteOptions) -> Result<Self> {
+        let outputs = Outputs::create(path, format, kinds)?;
+        let raw = match format {
+            OutputFormat::Raw => {
+                let mut buffer = Vec::new();
+                corsnap_wire::write_raw_header(&mut buffer)?;
+                Some(buffer)
+            }
+            OutputFormat::Rendered(_) => None,
+        };
+        Ok(RecordingFiles { outputs: Some(outputs), options, raw, raw_process: None, written: Vec::new() })
+    }
+}
+
+impl Sink for RecordingFiles {
+    fn describe(&self) -> String {
+        self.outputs.as_ref().map(|o| o.describe().join(", ")).unwrap_or_default()
+    }
+
+    /// A `Process` message goes before each run of messages from one
+    /// process, so `corsnap report` gives each its own builder.
+    fn message(&mut self, from: Option<(u32, &str)>, msg: &Message) {
+        let Some(raw) = &mut self.raw else { return };
+        if let Some((pid, name)) = from {
+            if self.raw_process != Some(pid) {
+                Message::Process { pid, name: name.to_string() }.encode_into(raw);
+                self.raw_process = Some(pid);
+            }
+        }
+        msg.encode_into(raw);
+    }
+
+    fn window(&mut self, window: &Window, refused: &[EventKind]) -> Result<()> {
+        let Some(outputs) = self.outputs.take() else { bail!("a whole recording is one window") };
+        let skipped = outputs.skipped(refused);
+        self.written = outputs.kept(refused);
+        match self.raw.take() {
+            Some(raw) => outputs.into_single().write_with(|out| out.write_all(&raw))?,
+            None => outputs.write(&window.profile, &self.options, refused)?,
+        }
+        if !skipped.is_empty() {
+            eprintln!("corsnap: not written (nothing could be recorded for it): {}", skipped.join(", "));
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, _deadline: Instant) -> String {
+        match self.outputs.take() {
+            // No window came: nothing was recorded, nothing is left behind.
+            Some(outputs) => {
+                outputs.remove_all();
+                String::new()
+            }
+            None => format!("wrote {}", self.written.join(", ")),
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

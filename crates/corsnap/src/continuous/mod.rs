@@ -4,6 +4,8 @@
 //! ([`files`]), Grafana Pyroscope's push API ([`pyroscope`]), OTLP profiles
 //! ([`otlp`]). py-spy's recorder is the model: the recording loop knows
 //! nothing of where windows go, only that each sink takes them one by one.
+//! A plain recording (no `--interval`) takes the same path: one window,
+//! the whole recording, to [`files::RecordingFiles`].
 //!
 //! Cutting. The agent stamps each sample with its own clock (nanoseconds
 //! since it started); corsnap maps that clock to the wall clock by the
@@ -22,8 +24,8 @@ pub mod upload;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Result};
-use corsnap_profile::{Profile, ProfileBuilder};
-use corsnap_wire::Message;
+use corsnap_profile::{GcRecord, Profile, ProfileBuilder};
+use corsnap_wire::{EventKind, Message};
 
 /// One window of a continuous recording.
 #[derive(Debug)]
@@ -41,8 +43,14 @@ pub struct Window {
 pub trait Sink {
     /// What the sink is, for messages (`files /var/log/p-%n{3}.pb.gz`).
     fn describe(&self) -> String;
-    /// Takes one window. An error is reported and recording goes on.
-    fn window(&mut self, window: &Window) -> Result<()>;
+    /// Sees each message from the agent as it arrives, before any window
+    /// holds it: only a raw recording keeps them. `from`: the process it
+    /// came from, when several are recorded (`--subprocesses`).
+    fn message(&mut self, _from: Option<(u32, &str)>, _msg: &Message) {}
+    /// Takes one window; `refused`: event kinds asked for that the runtime
+    /// said it cannot record (they get no file). An error is reported and
+    /// recording goes on (a whole recording's is the command's error).
+    fn window(&mut self, window: &Window, refused: &[EventKind]) -> Result<()>;
     /// No more windows: finish by `deadline` at the latest, and say what
     /// was done (one line).
     fn finish(&mut self, deadline: Instant) -> String;
@@ -119,9 +127,12 @@ pub fn check_interval(interval: Duration) -> Result<()> {
     Ok(())
 }
 
-/// The windows of a continuous recording, and the sinks they go to.
-pub struct Continuous {
-    interval: Duration,
+/// The windows of a recording, and the sinks they go to: the one path from
+/// the recording loop to wherever profiles end up. Without `--interval`
+/// the whole recording is one window, cut when it ends.
+pub struct Windows {
+    /// `None`: one window, the whole recording.
+    interval: Option<Duration>,
     sinks: Vec<Box<dyn Sink>>,
     /// The agent's clock's zero on the wall clock, in ns since the Unix
     /// epoch: the earliest (arrival - stamp) seen.
@@ -129,33 +140,51 @@ pub struct Continuous {
     index: u64,
     window_start_ns: u64,
     window_end_ns: u64,
+    /// Event kinds the runtime said it cannot record.
+    refused: Vec<EventKind>,
     /// Windows cut, and the samples they held.
     pub windows: u64,
     pub samples: u64,
 }
 
-impl std::fmt::Debug for Continuous {
+impl std::fmt::Debug for Windows {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Continuous").field("interval", &self.interval).field("index", &self.index).finish()
+        f.debug_struct("Windows").field("interval", &self.interval).field("index", &self.index).finish()
     }
 }
 
-impl Continuous {
-    pub fn new(interval: Duration, sinks: Vec<Box<dyn Sink>>) -> Continuous {
+/// What the sinks said at the end, and the last window's collections (a
+/// whole recording's: all of them).
+#[derive(Debug)]
+pub struct Finished {
+    pub lines: Vec<String>,
+    pub gcs: Vec<GcRecord>,
+}
+
+impl Windows {
+    /// Windows of `interval`, on the wall clock's round times.
+    pub fn every(interval: Duration, sinks: Vec<Box<dyn Sink>>) -> Windows {
         let now = unix_now_ns();
-        Continuous {
-            interval,
+        Windows {
+            interval: Some(interval),
             sinks,
             agent_epoch_unix_ns: None,
             index: 0,
             window_start_ns: now,
             window_end_ns: next_boundary(now, interval),
+            refused: Vec::new(),
             windows: 0,
             samples: 0,
         }
     }
 
-    pub fn interval(&self) -> Duration {
+    /// One window: the whole recording, as it was received.
+    pub fn whole(sinks: Vec<Box<dyn Sink>>) -> Windows {
+        Windows { interval: None, window_end_ns: u64::MAX, ..Windows::every(Duration::from_secs(1), sinks) }
+    }
+
+    /// The period of windows; `None` for a whole recording.
+    pub fn interval(&self) -> Option<Duration> {
         self.interval
     }
 
@@ -165,10 +194,13 @@ impl Continuous {
         // plus its duration is then exactly the next one's start.
         let now = unix_now_ns() / 1_000_000 * 1_000_000;
         self.window_start_ns = now;
-        self.window_end_ns = next_boundary(now, self.interval);
+        if let Some(interval) = self.interval {
+            self.window_end_ns = next_boundary(now, interval);
+        }
     }
 
-    /// Nothing was recorded: the sinks stop at once, sending nothing.
+    /// Nothing was recorded: the sinks stop at once, writing and sending
+    /// nothing (files not yet written are removed).
     pub fn abandon(&mut self) {
         let now = Instant::now();
         for sink in &mut self.sinks {
@@ -181,8 +213,24 @@ impl Continuous {
         self.sinks.iter().map(|s| s.describe()).collect()
     }
 
-    /// Learns the agent's clock from a message as it arrives.
-    pub fn observe(&mut self, msg: &Message) {
+    /// The runtime cannot record `kind`: it gets no file.
+    pub fn refuse(&mut self, kind: EventKind) {
+        self.refused.push(kind);
+    }
+
+    /// The event kinds the runtime cannot record.
+    pub fn refused(&self) -> &[EventKind] {
+        &self.refused
+    }
+
+    /// Each message as it arrives: the agent's clock is learned from it,
+    /// and sinks that keep messages (`-f raw`) keep it. `from`: the process
+    /// it came from, when several are recorded (`--subprocesses`, only ever
+    /// one whole window, so the clock of a child's agent cuts nothing).
+    pub fn message(&mut self, from: Option<(u32, &str)>, msg: &Message) {
+        for sink in &mut self.sinks {
+            sink.message(from, msg);
+        }
         let stamp = match msg {
             Message::Hello { .. } => 0,
             Message::Sample { time_ns, .. } | Message::Gc { time_ns, .. } => *time_ns,
@@ -194,19 +242,41 @@ impl Continuous {
 
     /// Cuts the windows that are due (called often by the recording loop).
     pub fn tick(&mut self, builder: &mut ProfileBuilder) {
-        while unix_now_ns() >= self.window_end_ns + grace(self.interval).as_nanos() as u64 {
+        let Some(interval) = self.interval else { return };
+        while unix_now_ns() >= self.window_end_ns + grace(interval).as_nanos() as u64 {
             let end = self.window_end_ns;
             self.cut(builder, end);
         }
     }
 
     /// The last window, up to now, and every sink finished within `limit`.
-    pub fn finish(&mut self, builder: &mut ProfileBuilder, limit: Duration) -> Vec<String> {
+    /// A whole recording's window that cannot be written is the error;
+    /// with `--interval` it is reported, as any window's.
+    /// A whole recording's profile is made by `whole` from the builder
+    /// (`ProfileBuilder::finish`; with `--subprocesses`, every process's
+    /// profile under its own root frame).
+    pub fn finish(
+        &mut self,
+        mut builder: ProfileBuilder,
+        limit: Duration,
+        whole: impl FnOnce(ProfileBuilder) -> Profile,
+    ) -> Result<Finished> {
         let now = (unix_now_ns() / 1_000_000 * 1_000_000).max(self.window_start_ns);
         self.window_end_ns = now;
-        self.cut_at(builder, now, u64::MAX);
+        let window = match self.interval {
+            Some(_) => self.take(&mut builder, now, u64::MAX),
+            None => {
+                // The profile as built: its tables whole and in order, its
+                // start the recording's.
+                let profile = whole(builder);
+                let start_unix_ns = profile.meta.start_unix_ms * 1_000_000;
+                Window { index: 0, start_unix_ns, duration_ns: now.saturating_sub(start_unix_ns), profile }
+            }
+        };
+        self.hand_out(&window)?;
         let deadline = Instant::now() + limit;
-        self.sinks.iter_mut().map(|s| s.finish(deadline)).collect()
+        let lines = self.sinks.iter_mut().map(|s| s.finish(deadline)).collect();
+        Ok(Finished { lines, gcs: window.profile.gcs })
     }
 
     fn cut(&mut self, builder: &mut ProfileBuilder, end_ns: u64) {
@@ -215,25 +285,41 @@ impl Continuous {
             // Nothing has arrived yet: there is nothing to take.
             None => 0,
         };
-        self.cut_at(builder, end_ns, before);
+        let window = self.take(builder, end_ns, before);
+        // Windows of an interval report their errors and go on.
+        let _ = self.hand_out(&window);
     }
 
-    fn cut_at(&mut self, builder: &mut ProfileBuilder, end_ns: u64, before_agent_ns: u64) {
+    /// The window ending at `end_ns` (wall clock): the samples stamped
+    /// before `before_agent_ns` (the agent's clock).
+    fn take(&mut self, builder: &mut ProfileBuilder, end_ns: u64, before_agent_ns: u64) -> Window {
         let mut profile = builder.take_window(before_agent_ns);
         let duration_ns = end_ns.saturating_sub(self.window_start_ns);
         profile.meta.start_unix_ms = self.window_start_ns / 1_000_000;
         profile.meta.duration_ns = duration_ns;
         let window = Window { index: self.index, start_unix_ns: self.window_start_ns, duration_ns, profile };
+        self.index += 1;
+        self.window_start_ns = end_ns;
+        if let Some(interval) = self.interval {
+            self.window_end_ns = next_boundary(end_ns, interval);
+        }
+        window
+    }
+
+    /// Gives `window` to every sink. An error is reported, and with
+    /// `--interval` recording goes on; a whole recording returns it.
+    fn hand_out(&mut self, window: &Window) -> Result<()> {
         self.samples += window.profile.samples.len() as u64;
         self.windows += 1;
         for sink in &mut self.sinks {
-            if let Err(e) = sink.window(&window) {
+            if let Err(e) = sink.window(window, &self.refused) {
+                if self.interval.is_none() {
+                    return Err(e);
+                }
                 eprintln!("corsnap: error: window {} to {}: {e:#}", window.index, sink.describe());
             }
         }
-        self.index += 1;
-        self.window_start_ns = end_ns;
-        self.window_end_ns = next_boundary(end_ns, self.interval);
+        Ok(())
     }
 }
 
@@ -265,7 +351,7 @@ mod tests {
         fn describe(&self) -> String {
             "test".into()
         }
-        fn window(&mut self, w: &Window) -> Result<()> {
+        fn window(&mut self, w: &Window, _: &[EventKind]) -> Result<()> {
             self.0.borrow_mut().push((w.start_unix_ns, w.duration_ns, w.profile.samples.len()));
             Ok(())
         }
@@ -275,9 +361,54 @@ mod tests {
     }
 
     #[test]
+    fn a_whole_recording_is_one_window_handed_out_at_the_end_as_built() {
+        let seen = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+        let mut w = Windows::whole(vec![Box::new(Collect(seen.clone()))]);
+        let mut b = ProfileBuilder::new();
+        b.apply(&Message::Recording { command: "app".into(), start_unix_ms: 1_700_000_000_000 });
+        for i in 0..5u64 {
+            b.add_sample(i * 1_000_000_000, 1, false, &[], 1);
+        }
+        // However long the recording, no window is cut before the end.
+        w.agent_epoch_unix_ns = Some(0);
+        w.tick(&mut b);
+        assert!(seen.borrow().is_empty());
+        let finished = w.finish(b, Duration::from_secs(1), ProfileBuilder::finish).unwrap();
+        let seen = seen.borrow();
+        assert_eq!(seen.len(), 1);
+        assert_eq!(seen[0].0, 1_700_000_000_000_000_000, "the recording's own start");
+        assert_eq!(seen[0].2, 5);
+        assert_eq!((w.windows, w.samples), (1, 5));
+        assert_eq!(finished.lines, vec![String::new()]);
+    }
+
+    struct Failing;
+    impl Sink for Failing {
+        fn describe(&self) -> String {
+            "failing".into()
+        }
+        fn window(&mut self, _: &Window, _: &[EventKind]) -> Result<()> {
+            bail!("disk full")
+        }
+        fn finish(&mut self, _: Instant) -> String {
+            String::new()
+        }
+    }
+
+    #[test]
+    fn a_whole_recording_that_cannot_be_written_is_an_error_and_a_window_of_an_interval_is_not() {
+        let err = Windows::whole(vec![Box::new(Failing)])
+            .finish(ProfileBuilder::new(), Duration::ZERO, ProfileBuilder::finish)
+            .unwrap_err();
+        assert_eq!(err.to_string(), "disk full");
+        let mut every = Windows::every(Duration::from_secs(1), vec![Box::new(Failing)]);
+        assert!(every.finish(ProfileBuilder::new(), Duration::ZERO, ProfileBuilder::finish).is_ok());
+    }
+
+    #[test]
     fn every_sample_is_in_exactly_one_window_and_windows_follow_each_other() {
         let seen = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
-        let mut c = Continuous::new(Duration::from_secs(1), vec![Box::new(Collect(seen.clone()))]);
+        let mut c = Windows::every(Duration::from_secs(1), vec![Box::new(Collect(seen.clone()))]);
         let mut b = ProfileBuilder::new();
         let start = c.window_start_ns;
         c.agent_epoch_unix_ns = Some(start);
@@ -291,7 +422,7 @@ mod tests {
         c.cut(&mut b, second_end);
         // A late sample of the first window lands in the next one.
         b.add_sample(1, 1, false, &[], 1);
-        c.finish(&mut b, Duration::from_secs(1));
+        c.finish(b, Duration::from_secs(1), ProfileBuilder::finish).unwrap();
         let seen = seen.borrow();
         assert_eq!(seen.len(), 3);
         assert_eq!(seen.iter().map(|w| w.2).sum::<usize>(), 31);

@@ -256,7 +256,7 @@ impl Sink for OtlpSink {
         format!("{} (experimental)", self.uploader.name())
     }
 
-    fn window(&mut self, window: &Window) -> Result<()> {
+    fn window(&mut self, window: &Window, _refused: &[EventKind]) -> Result<()> {
         if window.profile.samples.is_empty() {
             return Ok(());
         }

@@ -25,8 +25,9 @@ use self::launch::{launch, run_native_aot};
 pub(crate) use self::process::Process;
 pub use self::process::{signal_name, StopSignals};
 use self::process::{wait_for, ProgramExit};
-use crate::continuous::{Continuous, Labels, Sink};
-use crate::output::{OutputFile, OutputFormat, Outputs};
+use crate::continuous::files::RecordingFiles;
+use crate::continuous::{Labels, Sink, Windows};
+use crate::output::OutputFormat;
 use crate::session::{Event, Listener};
 
 /// What to record: a program corsnap starts, or a running process.
@@ -94,32 +95,21 @@ pub struct ContinuousOptions {
 /// has stopped: one request's time limit, and a little.
 const FLUSH_LIMIT: Duration = Duration::from_secs(12);
 
-/// Where the recording goes: one profile written at the end, or windows
-/// handed to sinks as they close.
-enum Destination {
-    Whole(Outputs),
-    Windows(Continuous),
-}
-
-impl Destination {
-    fn remove_all(self) {
-        match self {
-            Destination::Whole(outputs) => outputs.remove_all(),
-            Destination::Windows(mut continuous) => {
-                continuous.abandon();
-            }
-        }
-    }
-}
-
-/// The sinks `--interval` asked for, checked before anything runs.
-fn continuous_sinks(
-    options: &RecordOptions,
-    continuous: &ContinuousOptions,
-    name: &str,
-    service: String,
-    pid: u32,
-) -> Result<Continuous> {
+/// Where the recording goes, checked before anything runs: the files `-o`
+/// names, as one window; with `--interval`, windows to the sinks asked for.
+fn windows_for(options: &RecordOptions, name: &str) -> Result<Windows> {
+    let Some(continuous) = &options.continuous else {
+        let path = crate::output::output_path(options.output.as_deref(), || {
+            default_output_name(name, options.format).to_string_lossy().into_owned()
+        })?;
+        let files = RecordingFiles::create(&path, options.format, &options.events, options.write_options())?;
+        return Ok(Windows::whole(vec![Box::new(files)]));
+    };
+    let (service, pid) = match &options.target {
+        Target::Launch(_) => (name.to_string(), 0),
+        Target::Attach(pid) => (program_name(process_command_line(*pid).split(' ').map(str::to_string)), *pid),
+    };
+    let service = continuous.service.clone().unwrap_or(service);
     use crate::continuous::{check_interval, files, otlp, pyroscope};
     check_interval(continuous.interval)?;
     if options.format == OutputFormat::Raw {
@@ -166,7 +156,7 @@ fn continuous_sinks(
     if let Some(url) = &continuous.otlp {
         sinks.push(Box::new(otlp::OtlpSink::new(url, &continuous.auth, labels, continuous.interval)?));
     }
-    Ok(Continuous::new(continuous.interval, sinks))
+    Ok(Windows::every(continuous.interval, sinks))
 }
 
 impl RecordOptions {
@@ -206,24 +196,9 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
         // should cost nothing.
         crate::diagnostics::find_socket(pid)?;
     }
-    let outputs = match &options.continuous {
-        None => {
-            let output_path = crate::output::output_path(options.output.as_deref(), || {
-                default_output_name(&name, options.format).to_string_lossy().into_owned()
-            })?;
-            Destination::Whole(Outputs::create(&output_path, options.format, &options.events)?)
-        }
-        Some(continuous) => {
-            let (service, pid) = match &options.target {
-                Target::Launch(_) => (name.clone(), 0),
-                Target::Attach(pid) => (program_name(process_command_line(*pid).split(' ').map(str::to_string)), *pid),
-            };
-            let service = continuous.service.clone().unwrap_or(service);
-            Destination::Windows(continuous_sinks(options, continuous, &name, service, pid)?)
-        }
-    };
-    // On any error from here on, dropping `outputs` removes its temporary
-    // files: nothing is left under the output's name.
+    let mut windows = windows_for(options, &name)?;
+    // On any error from here on, dropping `windows` removes the temporary
+    // files of its sinks: nothing is left under the output's name.
     let mut listener = match options.target {
         Target::Attach(pid) => Listener::for_process(pid)?,
         Target::Launch(_) => Listener::new()?,
@@ -240,7 +215,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                     if !early.reported {
                         eprintln!("corsnap: error: {early}");
                     }
-                    outputs.remove_all();
+                    windows.abandon();
                     return Ok(ProgramExit(early.code).into_exit_code());
                 }
                 return Err(e);
@@ -269,15 +244,10 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     // With --subprocesses: the program's .NET child processes, each with
     // its connection and its own builder.
     let mut children: Vec<ChildRecording> = Vec::new();
-    let mut destination = outputs;
-    if let Destination::Windows(continuous) = &mut destination {
-        // The first window starts now, when sampling does.
-        continuous.restart_clock();
-        eprintln!(
-            "corsnap: recording windows of {} s to {}",
-            continuous.interval().as_secs_f64(),
-            continuous.describe().join(", ")
-        );
+    // The first window starts now, when sampling does.
+    windows.restart_clock();
+    if let Some(interval) = windows.interval() {
+        eprintln!("corsnap: recording windows of {} s to {}", interval.as_secs_f64(), windows.describe().join(", "));
     }
 
     let mut builder = ProfileBuilder::new();
@@ -286,53 +256,53 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     if crate::output::reads_pdbs(options.lines, options.format) {
         builder.set_source_locator(corsnap::source_lines::PdbLocator::boxed());
     }
-    let recording = Message::Recording { command: command_line, start_unix_ms: unix_ms() };
-    builder.apply(&recording);
-    let mut raw = match options.format {
-        OutputFormat::Raw => Some(RawRecorder::new(&recording)?),
-        OutputFormat::Rendered(_) => None,
-    };
     let mut status = StatusLine::new();
     let mut agent_failed: Option<String> = None;
-    // Events the agent said it cannot record here (`--event alloc` on .NET
-    // Core 3.1): they get no file.
-    let mut refused: Vec<EventKind> = Vec::new();
     // `child`: the message came from a child process (--subprocesses), not
     // from the program corsnap started.
     let subprocesses = options.subprocesses;
-    let mut on_message =
-        |msg: &Message, builder: &mut ProfileBuilder, status: &mut StatusLine, child: Option<(u32, &str)>| {
-            if let Some(raw) = raw.as_mut() {
-                let from = match child {
-                    Some(c) => Some(c),
-                    None if subprocesses => Some((main_pid, name.as_str())),
-                    None => None,
-                };
-                raw.record(from, msg);
-            }
-            builder.apply(msg);
-            for (severity, text) in builder.take_notices() {
-                status.clear();
-                if let Some((pid, child_name)) = child {
-                    // A child's trouble is its own: said, and the recording goes on.
-                    eprintln!("corsnap: process {pid} ({child_name}): {text}");
-                    continue;
-                }
-                match severity {
-                    Severity::Error => {
-                        eprintln!("corsnap: error: {text}");
-                        agent_failed = Some(text);
-                    }
-                    Severity::Warning => {
-                        if let Some(kind) = refused_event(&text) {
-                            refused.push(kind);
-                        }
-                        eprintln!("corsnap: warning: {text}")
-                    }
-                    Severity::Info => eprintln!("corsnap: {text}"),
-                }
-            }
+    let mut on_message = |msg: &Message,
+                          builder: &mut ProfileBuilder,
+                          windows: &mut Windows,
+                          status: &mut StatusLine,
+                          child: Option<(u32, &str)>| {
+        // With several processes, each message says whose it is (a raw
+        // recording marks every change of process).
+        let from = match child {
+            Some(c) => Some(c),
+            None if subprocesses => Some((main_pid, name.as_str())),
+            None => None,
         };
+        windows.message(from, msg);
+        builder.apply(msg);
+        for (severity, text) in builder.take_notices() {
+            status.clear();
+            if let Some((pid, child_name)) = child {
+                // A child's trouble is its own: said, and the recording goes on.
+                eprintln!("corsnap: process {pid} ({child_name}): {text}");
+                continue;
+            }
+            match severity {
+                Severity::Error => {
+                    eprintln!("corsnap: error: {text}");
+                    agent_failed = Some(text);
+                }
+                Severity::Warning => {
+                    // `--event alloc` on .NET Core 3.1: no file for it.
+                    if let Some(kind) = refused_event(&text) {
+                        windows.refuse(kind);
+                    }
+                    eprintln!("corsnap: warning: {text}")
+                }
+                Severity::Info => eprintln!("corsnap: {text}"),
+            }
+        }
+    };
+    // The recording's header belongs to no one process: it comes first,
+    // before any process is named.
+    let recording = Message::Recording { command: command_line, start_unix_ms: unix_ms() };
+    windows.message(None, &recording);
+    builder.apply(&recording);
 
     let mut agent_gone = false;
     let mut first_sample: Option<Duration> = None;
@@ -343,20 +313,17 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
             }
             for c in children.iter_mut() {
                 c.drain(Duration::ZERO, |msg, builder, pid, name| {
-                    on_message(msg, builder, &mut status, Some((pid, name)))
+                    on_message(msg, builder, &mut windows, &mut status, Some((pid, name)))
                 });
             }
         }
         if let Some(event) = connection.next_event(Duration::from_millis(100)) {
             match event {
                 Event::Message(msg) => {
-                    if let Destination::Windows(continuous) = &mut destination {
-                        continuous.observe(&msg);
-                    }
                     if first_sample.is_none() && matches!(msg, Message::Sample { .. }) {
                         first_sample = Some(invoked.elapsed());
                     }
-                    on_message(&msg, &mut builder, &mut status, None);
+                    on_message(&msg, &mut builder, &mut windows, &mut status, None);
                     if let Message::Goodbye { reason } = &msg {
                         agent_gone = true;
                         // Ctrl-C reaches the program too, whose runtime then
@@ -410,14 +377,12 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
         if matches!(process, Process::Attached { .. }) && process.has_exited() {
             // Drain what the agent sent before the process died.
             while let Some(Event::Message(msg)) = connection.next_event(Duration::from_millis(200)) {
-                on_message(&msg, &mut builder, &mut status, None);
+                on_message(&msg, &mut builder, &mut windows, &mut status, None);
             }
             agent_gone = true;
             break "the process exited".to_string();
         }
-        if let Destination::Windows(continuous) = &mut destination {
-            continuous.tick(&mut builder);
-        }
+        windows.tick(&mut builder);
         status.show(started.elapsed(), options.duration, builder.sample_count(), builder.thread_count());
     };
     let stopped_at = invoked.elapsed();
@@ -429,7 +394,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
             match connection.next_event(Duration::from_millis(100)) {
                 Some(Event::Message(msg)) => {
                     let bye = matches!(msg, Message::Goodbye { .. });
-                    on_message(&msg, &mut builder, &mut status, None);
+                    on_message(&msg, &mut builder, &mut windows, &mut status, None);
                     if bye {
                         break;
                     }
@@ -448,7 +413,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     while children.iter().any(|c| c.connection.is_some()) && Instant::now() < deadline {
         for c in children.iter_mut() {
             c.drain(Duration::from_millis(10), |msg, builder, pid, name| {
-                on_message(msg, builder, &mut status, Some((pid, name)))
+                on_message(msg, builder, &mut windows, &mut status, Some((pid, name)))
             });
         }
     }
@@ -462,7 +427,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     status.clear();
 
     if !builder.saw_hello() {
-        destination.remove_all();
+        windows.abandon();
         let why = agent_failed.unwrap_or_else(|| format!("the agent stopped before sampling ({stop_reason})"));
         eprintln!("corsnap: nothing was recorded: {why}");
         return Ok(match &mut process {
@@ -471,10 +436,10 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
         });
     }
 
-    if !options.events.is_empty() && options.events.iter().all(|k| refused.contains(k)) {
+    if !options.events.is_empty() && options.events.iter().all(|k| windows.refused().contains(k)) {
         // The agent has said why (one warning); an empty file would only
         // hide it.
-        destination.remove_all();
+        windows.abandon();
         eprintln!("corsnap: no profile written: nothing that was asked for can be recorded in this runtime");
         return Ok(match &mut process {
             Process::Child { child, exited } => wait_for(child, *exited).max_failure(),
@@ -483,53 +448,34 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     }
     let threads = builder.thread_count() + children.iter().map(|c| c.builder.thread_count()).sum::<usize>();
     let agent_stats = builder.stats();
-    let (samples, gcs) = match destination {
-        Destination::Whole(outputs) => {
-            let samples = builder.sample_count() + children.iter().map(|c| c.builder.sample_count()).sum::<usize>();
-            let paths = outputs.kept(&refused);
-            let skipped = outputs.skipped(&refused);
-            let processes = children.len() + 1;
-            let profile = if subprocesses {
-                let mut all = ProcessProfiles::new(builder, options.native, options.roots);
-                all.name_main(main_pid, &name);
-                for c in children {
-                    all.insert(c.pid, &c.name, c.builder);
-                }
-                all.finish()
-            } else {
-                builder.finish()
-            };
-            match raw {
-                Some(raw) => raw.finish(outputs.into_single())?,
-                None => outputs.write(&profile, &options.write_options(), &refused)?,
-            }
-            if !skipped.is_empty() {
-                eprintln!("corsnap: not written (nothing could be recorded for it): {}", skipped.join(", "));
-            }
-            let from_processes = if subprocesses { format!(" in {processes} processes") } else { String::new() };
-            eprintln!(
-                "corsnap: wrote {} ({} from {}{from_processes}; recording ended: {stop_reason})",
-                paths.join(", "),
-                plural(samples, "sample"),
-                plural(threads, "thread")
-            );
-            (samples, profile.gcs)
+    let processes = children.len() + 1;
+    let finished = windows.finish(builder, FLUSH_LIMIT, |builder| {
+        if !subprocesses {
+            return builder.finish();
         }
-        Destination::Windows(mut continuous) => {
-            for line in continuous.finish(&mut builder, FLUSH_LIMIT) {
-                eprintln!("corsnap: {line}");
-            }
-            eprintln!(
-                "corsnap: {} ({} from {}; recording ended: {stop_reason})",
-                plural(continuous.windows as usize, "window"),
-                plural(continuous.samples as usize, "sample"),
-                plural(threads, "thread")
-            );
-            (continuous.samples as usize, Vec::new())
+        let mut all = ProcessProfiles::new(builder, options.native, options.roots);
+        all.name_main(main_pid, &name);
+        for c in children {
+            all.insert(c.pid, &c.name, c.builder);
         }
-    };
-    if options.events.contains(&EventKind::Gc) {
-        eprint!("{}", describe_gcs(&gcs));
+        all.finish()
+    })?;
+    let from_processes = if subprocesses { format!(" in {processes} processes") } else { String::new() };
+    let totals = format!(
+        "{} from {}{from_processes}; recording ended: {stop_reason}",
+        plural(windows.samples as usize, "sample"),
+        plural(threads, "thread")
+    );
+    if windows.interval().is_none() {
+        eprintln!("corsnap: {} ({totals})", finished.lines.join("; "));
+    } else {
+        for line in &finished.lines {
+            eprintln!("corsnap: {line}");
+        }
+        eprintln!("corsnap: {} ({totals})", plural(windows.windows as usize, "window"));
+    }
+    if options.events.contains(&EventKind::Gc) && windows.interval().is_none() {
+        eprint!("{}", describe_gcs(&finished.gcs));
     }
     if let Some(stats) = agent_stats.filter(|s| s.throttled_ticks > 0) {
         eprintln!(
@@ -552,7 +498,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
             ms(goodbye_at) - ms(stopped_at)
         );
     }
-    if samples == 0 {
+    if windows.samples == 0 {
         eprintln!(
             "corsnap: warning: no samples were recorded (did the program run long enough at {} Hz?)",
             options.rate_hz
@@ -617,39 +563,6 @@ fn refused_event(notice: &str) -> Option<EventKind> {
     let rest = notice.strip_prefix("--event ")?;
     let word = rest.split(' ').next()?;
     EventKind::ALL.into_iter().find(|k| k.name() == word)
-}
-
-/// Saves every message as it arrives, so `corsnap report` can render the
-/// recording later in any format.
-struct RawRecorder {
-    buffer: Vec<u8>,
-    /// The process the last message came from, in a recording of several.
-    current: Option<u32>,
-}
-
-impl RawRecorder {
-    fn new(recording: &Message) -> Result<Self> {
-        let mut buffer = Vec::new();
-        corsnap_wire::write_raw_header(&mut buffer)?;
-        recording.encode_into(&mut buffer);
-        Ok(RawRecorder { buffer, current: None })
-    }
-
-    /// `from`: the process, when several are recorded; a `Process` message
-    /// goes before each run of messages from one of them.
-    fn record(&mut self, from: Option<(u32, &str)>, msg: &Message) {
-        if let Some((pid, name)) = from {
-            if self.current != Some(pid) {
-                Message::Process { pid, name: name.to_string() }.encode_into(&mut self.buffer);
-                self.current = Some(pid);
-            }
-        }
-        msg.encode_into(&mut self.buffer);
-    }
-
-    fn finish(self, output: OutputFile) -> Result<()> {
-        output.write_with(|out| out.write_all(&self.buffer))
-    }
 }
 
 #[cfg(test)]
