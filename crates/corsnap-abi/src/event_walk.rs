@@ -235,6 +235,7 @@ pub fn take_stacks_stale() -> bool {
 pub struct EventMap {
     current: Option<Arc<CodeMap>>,
     retired: Vec<Arc<CodeMap>>,
+    left: bool,
 }
 
 static INSTALLED: AtomicBool = AtomicBool::new(false);
@@ -254,7 +255,7 @@ impl EventMap {
                 drop(unsafe { Box::from_raw(old) });
             }
         }
-        Some(EventMap { current: None, retired: Vec::new() })
+        Some(EventMap { current: None, retired: Vec::new(), left: false })
     }
 
     /// Makes `map` the one walks read from now on.
@@ -277,6 +278,11 @@ impl EventMap {
     /// running ones to end; `false` if they did not, and then the maps and
     /// caches are left allocated.
     pub fn uninstall(mut self, timeout: Duration) -> bool {
+        self.leave(timeout)
+    }
+
+    fn leave(&mut self, timeout: Duration) -> bool {
+        self.left = true;
         MAP.store(null_mut(), Ordering::SeqCst);
         let deadline = Instant::now() + timeout;
         while IN_FLIGHT.load(Ordering::SeqCst) != 0 {
@@ -299,6 +305,15 @@ impl EventMap {
         self.retired.clear();
         INSTALLED.store(false, Ordering::SeqCst);
         true
+    }
+}
+
+impl Drop for EventMap {
+    /// A map walks may be reading is never freed under them.
+    fn drop(&mut self) {
+        if !self.left {
+            self.leave(Duration::from_secs(2));
+        }
     }
 }
 

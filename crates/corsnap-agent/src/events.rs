@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
+use corsnap_abi::event_walk::{walk_own_stack, OwnStackCopy};
 use corsnap_abi::{ClassID, CorProfilerInfo, ThreadID};
 use corsnap_wire::EventKind;
 
@@ -27,8 +28,15 @@ const MAX_EVENT_FRAMES: usize = 1024;
 /// stacks spill to the heap.
 const INLINE_FRAMES: usize = 128;
 /// Words ahead of the frames in a tally key: kind, thread, OS thread, class,
-/// truncated.
+/// and the stack's form ([`TRUNCATED_BIT`], [`RAW_BIT`], walk flags above).
 const KEY_HEAD: usize = 5;
+/// In a tally key's last head word: the stack was cut short.
+const TRUNCATED_BIT: u64 = 1;
+/// In a tally key's last head word: the frames are raw addresses from the
+/// native walker (its walk flags from bit 8 on), not `FunctionID`s.
+const RAW_BIT: u64 = 2;
+/// Frames a native walk keeps (the signal engine's limit).
+const NATIVE_FRAMES: usize = corsnap_abi::signal::MAX_FRAMES;
 /// Tally shards, picked by thread, so threads throwing at once rarely meet
 /// on a lock.
 const TALLY_SHARDS: usize = 8;
@@ -103,10 +111,48 @@ pub struct PendingEvent {
     pub thread: ThreadID,
     pub os_tid: u32,
     pub subject: Subject,
-    /// Leaf first, as the walk reports them.
+    /// Leaf first, as the walk reports them: `FunctionID`s (0 for a run of
+    /// native code), or with `raw`, the native walker's raw addresses.
     pub frames: Vec<u64>,
     pub truncated: bool,
     pub weight: u64,
+    pub raw: Option<RawWalk>,
+}
+
+/// How the native walker left an event's frames: raw addresses, to be
+/// named on the sampler thread ([`crate::event_walks::EventWalker`]).
+#[derive(Debug, Clone)]
+pub struct RawWalk {
+    /// `corsnap_unwind::flags` of the walk.
+    pub flags: u32,
+    /// The stack, when the walk met code not known yet.
+    pub copy: Option<OwnStackCopy>,
+}
+
+/// A stack captured for a queued (not tallied) event.
+#[derive(Debug)]
+pub struct Captured {
+    pub frames: Vec<u64>,
+    pub truncated: bool,
+    pub raw: Option<RawWalk>,
+}
+
+/// Walks the calling thread's stack for a queued event: with corsnap's own
+/// unwinder when `native` and it can serve, else `DoStackSnapshot`.
+pub fn capture_own_stack(info: &CorProfilerInfo, native: bool, thread: ThreadID) -> Captured {
+    if native {
+        let mut out = [0u64; NATIVE_FRAMES];
+        let mut copy = None;
+        if let Ok(walk) = walk_own_stack(thread as u64, &mut out, &mut copy) {
+            return Captured {
+                frames: out[..walk.len].to_vec(),
+                truncated: walk.flags & corsnap_unwind::flags::TRUNCATED != 0,
+                raw: Some(RawWalk { flags: walk.flags, copy }),
+            };
+        }
+    }
+    let (frames, truncated) = own_stack(info);
+    Captured { frames, truncated, raw: None }
 }
 
 /// A collection in progress, between `GarbageCollectionStarted` and
@@ -119,8 +165,7 @@ struct GcInProgress {
     reason: u32,
     thread: ThreadID,
     os_tid: u32,
-    frames: Vec<u64>,
-    truncated: bool,
+    stack: Captured,
 }
 
 /// A finished collection, for the list and the profile.
@@ -186,7 +231,15 @@ pub struct EventQueue {
 
 /// Walks the calling thread's own stack as a tallied event would, and
 /// keeps nothing: what the walk costs by itself, for the benchmarks' floor.
-pub fn walk_own_stack_only(info: &CorProfilerInfo) {
+pub fn walk_own_stack_only(info: &CorProfilerInfo, native: bool, thread: ThreadID) {
+    if native {
+        let mut out = [0u64; NATIVE_FRAMES];
+        let mut copy = None;
+        if walk_own_stack(thread as u64, &mut out, &mut copy).is_ok() {
+            std::hint::black_box(&out);
+            return;
+        }
+    }
     OwnStack::walk(info);
 }
 
@@ -254,19 +307,65 @@ fn tally_shard(thread: ThreadID) -> usize {
 
 impl EventQueue {
     /// Counts an event whose subject is a class (an exception's type, a
-    /// loaded class), with the calling thread's stack.
+    /// loaded class), with the calling thread's stack: walked by corsnap's
+    /// own unwinder when `native` and it can serve (no allocation, no call
+    /// into the runtime, for a stack whose code is known), else by
+    /// `DoStackSnapshot`.
+    #[allow(clippy::too_many_arguments)]
     pub fn count_class_event(
         &self,
         info: &CorProfilerInfo,
+        native: bool,
         kind: EventKind,
         thread: ThreadID,
         os_tid: u32,
         class: ClassID,
-        now_ns: impl FnOnce() -> u64,
+        now_ns: impl Fn() -> u64,
     ) {
+        if native && self.count_natively(kind, thread, os_tid, class, &now_ns) {
+            return;
+        }
         let mut stack = OwnStack::walk(info);
-        let head = [kind as u64, thread as u64, os_tid as u64, class as u64, stack.truncated as u64];
+        let head = [kind as u64, thread as u64, os_tid as u64, class as u64, stack.truncated as u64 * TRUNCATED_BIT];
         stack.with_key(head, |key| self.tally(kind, now_ns, thread, key));
+    }
+
+    /// The native walker's half of [`Self::count_class_event`]; `false` if
+    /// it cannot serve (no map yet, a stack the map does not list yet).
+    #[inline(never)]
+    fn count_natively(
+        &self,
+        kind: EventKind,
+        thread: ThreadID,
+        os_tid: u32,
+        class: ClassID,
+        now_ns: impl Fn() -> u64,
+    ) -> bool {
+        let mut words = [0u64; KEY_HEAD + NATIVE_FRAMES];
+        let mut copy = None;
+        let Ok(walk) = walk_own_stack(thread as u64, &mut words[KEY_HEAD..], &mut copy) else { return false };
+        let truncated = walk.flags & corsnap_unwind::flags::TRUNCATED != 0;
+        if copy.is_some() {
+            // Met code not known yet: its frames past that code are guesses
+            // until the sampler thread has learned it and walked the copy
+            // again, so this one goes by itself, counted once.
+            self.push(PendingEvent {
+                kind,
+                time_ns: now_ns(),
+                thread,
+                os_tid,
+                subject: Subject::Class(class),
+                frames: words[KEY_HEAD..KEY_HEAD + walk.len].to_vec(),
+                truncated,
+                weight: 1,
+                raw: Some(RawWalk { flags: walk.flags, copy }),
+            });
+            return true;
+        }
+        let form = truncated as u64 * TRUNCATED_BIT | RAW_BIT | u64::from(walk.flags) << 8;
+        words[..KEY_HEAD].copy_from_slice(&[kind as u64, thread as u64, os_tid as u64, class as u64, form]);
+        self.tally(kind, now_ns, thread, &words[..KEY_HEAD + walk.len]);
+        true
     }
 
     /// Counts one more occurrence of `key` (a [`KEY_HEAD`] head, then the
@@ -307,8 +406,9 @@ impl EventQueue {
                 os_tid: key[2] as u32,
                 subject: Subject::Class(key[3] as ClassID),
                 frames: key[KEY_HEAD..].to_vec(),
-                truncated: key[4] != 0,
+                truncated: key[4] & TRUNCATED_BIT != 0,
                 weight: t.count,
+                raw: (key[4] & RAW_BIT != 0).then(|| RawWalk { flags: (key[4] >> 8) as u32, copy: None }),
             }));
         }
         events.sort_by_key(|e| e.time_ns);
@@ -324,6 +424,7 @@ impl EventQueue {
     pub fn gc_started(
         &self,
         info: &CorProfilerInfo,
+        native: bool,
         time_ns: u64,
         generations: &[bool],
         reason: u32,
@@ -337,7 +438,7 @@ impl EventQueue {
         // The thread that starts a blocking collection is the one that
         // triggered it; its stack says why (a background GC's thread has no
         // managed frames and yields an empty stack).
-        let (frames, truncated) = own_stack(info);
+        let stack = capture_own_stack(info, native, thread);
         *self.gc_in_progress.lock().unwrap_or_else(|p| p.into_inner()) = Some(GcInProgress {
             started: Instant::now(),
             time_ns,
@@ -345,8 +446,7 @@ impl EventQueue {
             reason,
             thread,
             os_tid,
-            frames,
-            truncated,
+            stack,
         });
     }
 
@@ -363,9 +463,10 @@ impl EventQueue {
             thread: gc.thread,
             os_tid: gc.os_tid,
             subject: Subject::Text(format!("[gen{} GC, {reason}]", gc.generation)),
-            frames: gc.frames,
-            truncated: gc.truncated,
+            frames: gc.stack.frames,
+            truncated: gc.stack.truncated,
             weight: pause_ns.max(1),
+            raw: gc.stack.raw,
         });
         self.gcs.lock().unwrap_or_else(|p| p.into_inner()).push(FinishedGc {
             time_ns: gc.time_ns,

@@ -23,6 +23,7 @@ use crate::events::Subject;
 
 use crate::log;
 use crate::names::NameResolver;
+use crate::event_walks::EventWalker;
 use crate::signal_engine::{FrameName, SignalEngine};
 use crate::Shared;
 
@@ -350,6 +351,9 @@ struct SamplerLoop {
     verify: Option<WalkVerification>,
     /// The name last sent for each OS thread the signal engine sampled.
     signal_threads: HashMap<u32, Option<String>>,
+    /// Names event stacks walked by corsnap's own unwinder (`--walker
+    /// native`); `None` when events are walked by `DoStackSnapshot`.
+    event_walker: Option<EventWalker>,
     /// The kernel's name last sent for each OS thread, and when it was
     /// first sent (names are looked at again for a while: the runtime names
     /// a thread just after starting it).
@@ -380,6 +384,19 @@ impl SamplerLoop {
         let records_events = [EventKind::Exceptions, EventKind::Gc, EventKind::ClassLoad, EventKind::Alloc]
             .iter()
             .any(|&k| shared.records(k));
+        let event_walker = if records_events && shared.native_event_walks {
+            match EventWalker::start(shared.info) {
+                Ok(walker) => Some(walker),
+                Err(why) => {
+                    let text = format!("{why}; event stacks are walked by DoStackSnapshot instead");
+                    log::write(format_args!("{text}"));
+                    shared.post(Message::Notice { severity: corsnap_wire::Severity::Warning, text });
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
         SamplerLoop {
             started: shared.epoch,
@@ -403,6 +420,7 @@ impl SamplerLoop {
             signal_samples: Vec::new(),
             signal_rate,
             signal_threads: HashMap::new(),
+            event_walker,
             kernel_names: HashMap::new(),
             verify: std::env::var("CORSNAP_VERIFY_WALKS").is_ok_and(|v| v == "1").then(WalkVerification::default),
         }
@@ -512,6 +530,9 @@ impl SamplerLoop {
             self.publish_signal_samples();
         }
         self.publish_events();
+        if let Some(walker) = self.event_walker.as_mut() {
+            walker.stop();
+        }
         log::write(format_args!("sampler stopping: {reason}; {:?}", self.stats));
         self.queue_stats();
         self.channel.queue(&Message::Goodbye { reason });
@@ -883,7 +904,11 @@ impl SamplerLoop {
     /// Sends what the runtime's callbacks queued: exceptions, class loads,
     /// collections.
     fn publish_events(&mut self) {
-        let events = self.shared.events.take();
+        if let Some(walker) = self.event_walker.as_mut() {
+            let announced = self.shared.threads_changed_for_events.swap(false, std::sync::atomic::Ordering::Relaxed);
+            walker.refresh(announced);
+        }
+        let mut events = self.shared.events.take();
         let gcs = self.shared.events.take_gcs();
         if events.is_empty() && gcs.is_empty() {
             return;
@@ -892,9 +917,32 @@ impl SamplerLoop {
         threads.sort_unstable();
         threads.dedup();
         self.describe_threads(&threads);
+        for event in &mut events {
+            let Some(raw) = event.raw.take() else { continue };
+            let Some(walker) = self.event_walker.as_mut() else {
+                // Cannot happen: only a running walker's map produces raw frames.
+                event.frames.clear();
+                continue;
+            };
+            let (frames, truncated) = walker.resolve(&event.frames, raw.flags, raw.copy.as_ref());
+            event.frames = frames;
+            event.truncated |= truncated;
+        }
+        if let Some(walker) = self.event_walker.as_mut() {
+            for name in walker.take_names() {
+                match name {
+                    FrameName::Managed(function) => self.describe_function(function),
+                    FrameName::Native { key, name, module } => {
+                        self.channel.queue(&Message::Function { function_id: key, name, module });
+                    }
+                }
+            }
+        }
         for event in events {
             for &function in &event.frames {
-                self.describe_function(function as FunctionID);
+                if function & corsnap_wire::NATIVE_FRAME_BIT == 0 {
+                    self.describe_function(function as FunctionID);
+                }
             }
             let leaf = match &event.subject {
                 Subject::Class(class) => self.names.class_name(*class),

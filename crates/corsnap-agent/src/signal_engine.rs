@@ -979,7 +979,7 @@ fn is_agent_thread(tid: u32) -> bool {
 /// frame, and that frame, go. A funclet whose method's frame is not found
 /// keeps its stack as it is. `funclets`: (index in `frames`, leaf first; the
 /// method's frame key), in order.
-fn fold_funclets(frames: &mut Vec<u64>, funclets: &[(usize, u64)]) {
+pub(crate) fn fold_funclets(frames: &mut Vec<u64>, funclets: &[(usize, u64)]) {
     // From the root end, so earlier indices stay valid.
     for &(at, method) in funclets.iter().rev() {
         if at >= frames.len() || frames[at] != method {

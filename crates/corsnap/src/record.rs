@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use corsnap_profile::{NativeFrames, ProfileBuilder};
-use corsnap_wire::{AttachRequest, Command as AgentCommand, EventKind, Message, SamplerKind, Severity};
+use corsnap_wire::{AttachRequest, Command as AgentCommand, EventKind, Message, SamplerKind, Severity, WalkerKind};
 
 use crate::output::{OutputFile, OutputFormat, Outputs};
 use crate::session::{AgentConnection, Event, Listener};
@@ -46,6 +46,8 @@ pub struct RecordOptions {
     pub sampler: SamplerKind,
     /// The signal engine's clock: POSIX timers instead of perf events.
     pub timers: bool,
+    /// How event stacks are walked.
+    pub walker: WalkerKind,
     /// Whether native frames are shown one by one.
     pub native: NativeFrames,
     /// Whether the native frames below a thread's first managed frame fold into one.
@@ -255,6 +257,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                 log: options.agent_log.as_deref().map(|p| absolute(p).to_string_lossy().into_owned()),
                 sampler: options.sampler,
                 timers: options.timers,
+                walker: options.walker,
             };
             let connection = attach(*pid, &agent, &listener, &request)?;
             (Process::Attached { pid: *pid }, connection, process_command_line(*pid))
@@ -528,6 +531,7 @@ pub(crate) fn launch_with_output(
     command.env(corsnap_wire::ENV_EVENTS, EventKind::mask(&options.events).to_string());
     command.env(corsnap_wire::ENV_MAX_PAUSE, options.max_pause_ppm.to_string());
     command.env(corsnap_wire::ENV_SAMPLER, options.sampler.name());
+    command.env(corsnap_wire::ENV_WALKER, options.walker.name());
     if options.timers {
         command.env(corsnap_wire::ENV_NO_PERF_EVENTS, "1");
     }
