@@ -354,6 +354,9 @@ struct SamplerLoop {
     /// Names event stacks walked by corsnap's own unwinder (`--walker
     /// native`); `None` when events are walked by `DoStackSnapshot`.
     event_walker: Option<EventWalker>,
+    /// Whether each `FunctionID` met at the top of an exception's stack is
+    /// the runtime's managed exception dispatch.
+    dispatch_functions: HashMap<u64, bool>,
     /// The kernel's name last sent for each OS thread, and when it was
     /// first sent (names are looked at again for a while: the runtime names
     /// a thread just after starting it).
@@ -421,6 +424,7 @@ impl SamplerLoop {
             signal_rate,
             signal_threads: HashMap::new(),
             event_walker,
+            dispatch_functions: HashMap::new(),
             kernel_names: HashMap::new(),
             verify: std::env::var("CORSNAP_VERIFY_WALKS").is_ok_and(|v| v == "1").then(WalkVerification::default),
         }
@@ -924,7 +928,10 @@ impl SamplerLoop {
                 event.frames.clear();
                 continue;
             };
-            let (frames, truncated) = walker.resolve(&event.frames, raw.flags, raw.copy.as_ref());
+            let (mut frames, truncated) = walker.resolve(&event.frames, raw.flags, raw.copy.as_ref());
+            if event.kind == EventKind::Exceptions {
+                self.leave_out_dispatch(&mut frames);
+            }
             event.frames = frames;
             event.truncated |= truncated;
         }
@@ -972,6 +979,34 @@ impl SamplerLoop {
                 reason: gc.reason,
                 pause_ns: gc.pause_ns,
             });
+        }
+    }
+
+    /// On .NET 9 and later an exception is dispatched by managed code
+    /// (`System.Runtime.EH`, calling into the runtime and so to us): its
+    /// frames, and the runtime's native ones around them, sit above the
+    /// frame that threw. `DoStackSnapshot` starts at that frame, and so
+    /// does an exception's stack.
+    fn leave_out_dispatch(&mut self, frames: &mut Vec<u64>) {
+        let mut leading = 0;
+        for &key in frames.iter() {
+            let dispatch = key & corsnap_wire::NATIVE_FRAME_BIT != 0 || {
+                if self.dispatch_functions.len() >= CACHE_CAP {
+                    self.dispatch_functions.clear();
+                }
+                let names = &mut self.names;
+                *self.dispatch_functions.entry(key).or_insert_with(|| {
+                    names.resolve(key as FunctionID).is_ok_and(|n| n.name.starts_with("System.Runtime.EH."))
+                })
+            };
+            if !dispatch {
+                break;
+            }
+            leading += 1;
+        }
+        // A stack of dispatch alone (nothing threw from managed code) stays.
+        if leading < frames.len() {
+            frames.drain(..leading);
         }
     }
 
