@@ -55,6 +55,12 @@ static CACHE_POOL: [AtomicPtr<WalkCache>; POOL] = [const { AtomicPtr::new(null_m
 /// Set by a walk whose stack the map does not list: the agent reads the
 /// process's stacks again and publishes.
 static STACKS_STALE: AtomicBool = AtomicBool::new(false);
+/// Set by a walk that met code the map does not know, until the next map is
+/// published.
+static CODE_UNKNOWN: AtomicBool = AtomicBool::new(false);
+/// Set with [`STACKS_STALE`] or [`CODE_UNKNOWN`] until the agent was asked
+/// to wake for it.
+static WAKE_WANTED: AtomicBool = AtomicBool::new(false);
 /// Walks whose stack the map did not list (they fell back).
 static UNKNOWN_STACKS: AtomicU64 = AtomicU64::new(0);
 /// Walks that used a cache of their own (the pool was empty).
@@ -163,7 +169,9 @@ pub fn walk_own_stack(runtime_thread: u64, out: &mut [u64], copy: &mut Option<Ow
     let regs = Regs { ip, sp, bp };
     let Some(stack) = map.stack_containing(regs.sp) else {
         UNKNOWN_STACKS.fetch_add(1, Ordering::Relaxed);
-        STACKS_STALE.store(true, Ordering::Relaxed);
+        if !STACKS_STALE.swap(true, Ordering::Relaxed) {
+            WAKE_WANTED.store(true, Ordering::Relaxed);
+        }
         return Err(OwnWalkError::UnknownStack);
     };
     let memory = LiveMemory { stack: stack.clone(), map, runtime_thread };
@@ -206,6 +214,11 @@ pub fn walk_own_stack(runtime_thread: u64, out: &mut [u64], copy: &mut Option<Ow
             });
         }
         *copy = Some(OwnStackCopy { regs, words: kept, splice: walk.splice.map(|(i, at)| (i, at.sp)) });
+        // The agent learns that code when it takes this event: the sooner,
+        // the fewer events need a copy.
+        if !CODE_UNKNOWN.swap(true, Ordering::Relaxed) {
+            WAKE_WANTED.store(true, Ordering::Relaxed);
+        }
     }
     Ok(walk)
 }
@@ -227,6 +240,12 @@ pub fn counters() -> EventWalkCounters {
 /// Whether a walk found its stack missing from the map since the last call.
 pub fn take_stacks_stale() -> bool {
     STACKS_STALE.swap(false, Ordering::Relaxed)
+}
+
+/// Whether the agent's thread should be woken now to read the stacks again
+/// (true once per stale map: one load when there is nothing to do).
+pub fn take_wake_request() -> bool {
+    WAKE_WANTED.load(Ordering::Relaxed) && WAKE_WANTED.swap(false, Ordering::Relaxed)
 }
 
 /// The agent's handle on what event walks read: publishes maps, frees
@@ -261,6 +280,7 @@ impl EventMap {
     /// Makes `map` the one walks read from now on.
     pub fn publish(&mut self, map: Arc<CodeMap>) {
         MAP.store(Arc::as_ptr(&map) as *mut CodeMap, Ordering::SeqCst);
+        CODE_UNKNOWN.store(false, Ordering::Relaxed);
         if let Some(old) = self.current.replace(map) {
             self.retired.push(old);
         }

@@ -117,6 +117,9 @@ pub struct PendingEvent {
     pub truncated: bool,
     pub weight: u64,
     pub raw: Option<RawWalk>,
+    /// `CORSNAP_VERIFY_EVENT_WALKS=1` (tests only): the same event's stack
+    /// by `DoStackSnapshot`, to compare with the native walk's.
+    pub referee: Option<Vec<u64>>,
 }
 
 /// How the native walker left an event's frames: raw addresses, to be
@@ -359,6 +362,7 @@ impl EventQueue {
                 truncated,
                 weight: 1,
                 raw: Some(RawWalk { flags: walk.flags, copy }),
+                referee: None,
             });
             return true;
         }
@@ -409,6 +413,7 @@ impl EventQueue {
                 truncated: key[4] & TRUNCATED_BIT != 0,
                 weight: t.count,
                 raw: (key[4] & RAW_BIT != 0).then(|| RawWalk { flags: (key[4] >> 8) as u32, copy: None }),
+                referee: None,
             }));
         }
         events.sort_by_key(|e| e.time_ns);
@@ -467,6 +472,7 @@ impl EventQueue {
             truncated: gc.stack.truncated,
             weight: pause_ns.max(1),
             raw: gc.stack.raw,
+            referee: None,
         });
         self.gcs.lock().unwrap_or_else(|p| p.into_inner()).push(FinishedGc {
             time_ns: gc.time_ns,

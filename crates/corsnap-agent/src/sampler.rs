@@ -357,6 +357,8 @@ struct SamplerLoop {
     /// Whether each `FunctionID` met at the top of an exception's stack is
     /// the runtime's managed exception dispatch.
     dispatch_functions: HashMap<u64, bool>,
+    /// `CORSNAP_VERIFY_EVENT_WALKS=1`: event stacks compared.
+    event_verification: WalkVerification,
     /// The kernel's name last sent for each OS thread, and when it was
     /// first sent (names are looked at again for a while: the runtime names
     /// a thread just after starting it).
@@ -425,6 +427,7 @@ impl SamplerLoop {
             signal_threads: HashMap::new(),
             event_walker,
             dispatch_functions: HashMap::new(),
+            event_verification: WalkVerification::default(),
             kernel_names: HashMap::new(),
             verify: std::env::var("CORSNAP_VERIFY_WALKS").is_ok_and(|v| v == "1").then(WalkVerification::default),
         }
@@ -536,6 +539,16 @@ impl SamplerLoop {
         self.publish_events();
         if let Some(walker) = self.event_walker.as_mut() {
             walker.stop();
+        }
+        if self.shared.verify_event_walks {
+            let v = &self.event_verification;
+            let text = format!(
+                "event walk verification: {} stacks compared with DoStackSnapshot of the same event, {} with the same \
+                 managed frames",
+                v.compared, v.identical
+            );
+            log::write(format_args!("{text}"));
+            self.channel.queue(&Message::Notice { severity: corsnap_wire::Severity::Info, text });
         }
         log::write(format_args!("sampler stopping: {reason}; {:?}", self.stats));
         self.queue_stats();
@@ -929,11 +942,12 @@ impl SamplerLoop {
                 continue;
             };
             let (mut frames, truncated) = walker.resolve(&event.frames, raw.flags, raw.copy.as_ref());
-            if event.kind == EventKind::Exceptions {
-                self.leave_out_dispatch(&mut frames);
-            }
+            self.leave_out_dispatch(&mut frames);
             event.frames = frames;
             event.truncated |= truncated;
+            if let Some(referee) = event.referee.take() {
+                self.verify_event_walk(event.kind, &event.frames, &referee);
+            }
         }
         if let Some(walker) = self.event_walker.as_mut() {
             for name in walker.take_names() {
@@ -986,7 +1000,8 @@ impl SamplerLoop {
     /// (`System.Runtime.EH`, calling into the runtime and so to us): its
     /// frames, and the runtime's native ones around them, sit above the
     /// frame that threw. `DoStackSnapshot` starts at that frame, and so
-    /// does an exception's stack.
+    /// does an exception's stack (and an allocation's made by the dispatch,
+    /// which `DoStackSnapshot` also charges to that frame).
     fn leave_out_dispatch(&mut self, frames: &mut Vec<u64>) {
         let mut leading = 0;
         for &key in frames.iter() {
@@ -1008,6 +1023,33 @@ impl SamplerLoop {
         if leading < frames.len() {
             frames.drain(..leading);
         }
+    }
+
+    /// `CORSNAP_VERIFY_EVENT_WALKS=1`: the managed frames of an event's
+    /// native walk (named) against `DoStackSnapshot`'s of the same event.
+    fn verify_event_walk(&mut self, kind: EventKind, native: &[u64], referee: &[u64]) {
+        let managed = |frames: &[u64]| -> Vec<u64> {
+            frames.iter().copied().filter(|&f| f != 0 && f & corsnap_wire::NATIVE_FRAME_BIT == 0).collect()
+        };
+        let (ours, theirs) = (managed(native), managed(referee));
+        let check = &mut self.event_verification;
+        check.compared += 1;
+        if ours == theirs {
+            check.identical += 1;
+            return;
+        }
+        if check.logged >= 20 {
+            return;
+        }
+        check.logged += 1;
+        let mut name = |f: u64| self.names.resolve(f as FunctionID).map_or_else(|e| format!("{f:#x} ({e})"), |n| n.name);
+        let ours: Vec<String> = ours.iter().map(|&f| name(f)).collect();
+        let theirs: Vec<String> = theirs.iter().map(|&f| name(f)).collect();
+        log::write(format_args!(
+            "event walk verification ({kind:?}): native {} but DoStackSnapshot {}",
+            ours.join(" <- "),
+            theirs.join(" <- ")
+        ));
     }
 
     fn describe_function(&mut self, function: FunctionID) {
