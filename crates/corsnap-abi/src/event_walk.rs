@@ -388,3 +388,4 @@ mod tests {
         assert_eq!(walk_own_stack(0, &mut out, &mut copy), Err(OwnWalkError::NoMap));
     }
 }
+

@@ -36,6 +36,9 @@ use crate::symbols::Symbolizer;
 
 /// Entries in the address caches before they are emptied.
 const CACHE_CAP: usize = 200_000;
+/// The .NET host's libraries, which start the runtime and never run
+/// managed code below themselves.
+const HOST_MODULES: [&str; 2] = ["/libhostfxr.so", "/libhostpolicy.so"];
 /// Rounds of learning and walking again for one stack copy.
 const REWALK_ROUNDS: usize = 8;
 
@@ -47,6 +50,8 @@ pub struct EventWalkStats {
     pub rewalked: u64,
     /// Stacks that still ended in unknown code or were lost.
     pub incomplete: u64,
+    /// Maps published.
+    pub published: u64,
 }
 
 pub struct EventWalker {
@@ -233,7 +238,11 @@ impl EventWalker {
                     }
                     Learned::FunctionOnly(_) => {}
                     Learned::NotManaged => {
-                        self.not_managed.insert(addr);
+                        if self.not_managed.insert(addr) && std::env::var_os("CORSNAP_DEBUG_EVENT_WALKS").is_some() {
+                            let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+                            let line = parse_maps(&maps).into_iter().find(|m| m.range.contains(&addr));
+                            log::write(format_args!("event walk: {addr:#x} is no managed code: {line:?}"));
+                        }
                     }
                 }
             }
@@ -396,7 +405,18 @@ impl EventWalker {
     }
 
     fn publish(&mut self) {
-        let map = CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn);
+        self.stats.published += 1;
+        // The .NET host's libraries only start the runtime: a walk ends in
+        // them, not several frames further down in the executable and libc's
+        // start-up (frames a profile folds into `[host start-up]`).
+        let roots = self
+            .natives
+            .iter()
+            .filter(|m| HOST_MODULES.iter().any(|h| m.name.ends_with(h)))
+            .map(|m| m.code.clone())
+            .collect();
+        let map = CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn)
+            .with_roots(roots);
         self.managed = map.managed().to_vec();
         self.map = Arc::new(map);
         if let Some(m) = self.events_map.as_mut() {

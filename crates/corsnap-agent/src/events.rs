@@ -234,12 +234,28 @@ pub struct EventQueue {
 
 /// Walks the calling thread's own stack as a tallied event would, and
 /// keeps nothing: what the walk costs by itself, for the benchmarks' floor.
-pub fn walk_own_stack_only(info: &CorProfilerInfo, native: bool, thread: ThreadID) {
+/// A native walk that met code not known yet still hands its copy to the
+/// sampler thread (with no weight: it is learned from, not recorded), as the
+/// floor would otherwise walk unknown code, and copy stacks, for ever.
+pub fn walk_own_stack_only(queue: &EventQueue, info: &CorProfilerInfo, native: bool, thread: ThreadID) {
     if native {
         let mut out = [0u64; NATIVE_FRAMES];
         let mut copy = None;
-        if walk_own_stack(thread as u64, &mut out, &mut copy).is_ok() {
-            std::hint::black_box(&out);
+        if let Ok(walk) = walk_own_stack(thread as u64, &mut out, &mut copy) {
+            if copy.is_some() {
+                queue.push(PendingEvent {
+                    kind: EventKind::Exceptions,
+                    time_ns: 0,
+                    thread,
+                    os_tid: 0,
+                    subject: Subject::Text(String::new()),
+                    frames: out[..walk.len].to_vec(),
+                    truncated: false,
+                    weight: 0,
+                    raw: Some(RawWalk { flags: walk.flags, copy }),
+                    referee: None,
+                });
+            }
             return;
         }
     }

@@ -239,6 +239,9 @@ pub struct CodeMap {
     /// glibc's `__restore_rt`: a return address equal to it marks a signal
     /// frame. 0 if unknown.
     sigreturn: u64,
+    /// Code a walk ends at, as if it were the root: a frame in it is kept
+    /// and nothing beyond it is walked (see [`CodeMap::with_roots`]).
+    roots: Vec<Range<u64>>,
 }
 
 impl std::fmt::Debug for CodeMap {
@@ -279,7 +282,17 @@ impl CodeMap {
             kept.push(m);
         }
         stacks.sort_by_key(|r| r.start);
-        CodeMap { natives, unwinder, managed: kept, stacks, sigreturn }
+        CodeMap { natives, unwinder, managed: kept, stacks, sigreturn, roots: Vec::new() }
+    }
+
+    /// Walks end at a frame in `roots` (kept, marked complete) instead of
+    /// going on to the thread's real root: for code known never to call
+    /// managed code again below itself (the .NET host's start-up), which a
+    /// caller that walks often and shows those frames folded anyway can
+    /// skip.
+    pub fn with_roots(mut self, roots: Vec<Range<u64>>) -> CodeMap {
+        self.roots = roots;
+        self
     }
 
     pub fn natives(&self) -> &[NativeModule] {
@@ -398,6 +411,10 @@ pub fn walk_until<M: Memory>(
         };
         *slot = if exact { regs.ip | EXACT_IP } else { regs.ip };
         len += 1;
+        if !map.roots.is_empty() && map.roots.iter().any(|r| r.contains(&regs.ip)) {
+            flags |= flags::COMPLETE;
+            break;
+        }
         if !exact && map.sigreturn != 0 && regs.ip == map.sigreturn {
             // The handler's frame returned into the kernel's signal
             // trampoline: the saved context (`ucontext_t`) starts right where
