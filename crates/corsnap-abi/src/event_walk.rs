@@ -66,8 +66,10 @@ static UNKNOWN_STACKS: AtomicU64 = AtomicU64::new(0);
 /// Walks that used a cache of their own (the pool was empty).
 static POOL_EMPTY: AtomicU64 = AtomicU64::new(0);
 
-/// Words of stack kept at most when a walk met unknown code (256 KiB).
-pub const MAX_COPY_WORDS: usize = 32768;
+/// Words of stack kept at most when a walk met unknown code (32 KiB, as the
+/// signal handler keeps): a walk that did not reach the root is copied to
+/// this depth, and a copy is made at every event until the code is learned.
+pub const MAX_COPY_WORDS: usize = 4096;
 /// Words copied beyond the deepest frame a complete walk reached.
 const COPY_SLACK_WORDS: usize = 64;
 
