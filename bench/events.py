@@ -113,7 +113,10 @@ def main():
         if mode == "none":
             cmd = program
         else:
-            events = ["-e", "cpu", "-e", event] if mode.startswith("cpu") else ["-e", event]
+            # `--roots show`: on .NET 9 and later the callbacks run inside the
+            # runtime's managed exception dispatch, whose frames (and all
+            # above them) a profile otherwise folds into `[exception dispatch]`.
+            events = ["-e", "cpu", "-e", event, "--roots", "show"] if mode.startswith("cpu") else ["-e", event]
             cmd = [corsnap, "record", *events, "--walker", walker, "-f", "collapsed", "-o", f"{scratch}/p.txt",
                    "--"] + program
             if mode == "session":

@@ -146,7 +146,11 @@ impl Drop for Borrowed {
 /// `ThreadID`), for undoing a hijacked return address. When the walk met code
 /// the map does not know, `copy` receives the stack to walk again.
 #[inline(never)]
-pub fn walk_own_stack(runtime_thread: u64, out: &mut [u64], copy: &mut Option<OwnStackCopy>) -> Result<Walk, OwnWalkError> {
+pub fn walk_own_stack(
+    runtime_thread: u64,
+    out: &mut [u64],
+    copy: &mut Option<OwnStackCopy>,
+) -> Result<Walk, OwnWalkError> {
     let _in_flight = InFlight::enter();
     // SAFETY: step 1 of the module documentation: counted in before the load,
     // and the agent frees a replaced map only once the count was zero after
@@ -390,4 +394,3 @@ mod tests {
         assert_eq!(walk_own_stack(0, &mut out, &mut copy), Err(OwnWalkError::NoMap));
     }
 }
-

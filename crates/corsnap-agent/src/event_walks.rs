@@ -119,7 +119,11 @@ impl EventWalker {
         }
         walker.refresh_stacks();
         walker.publish();
-        log::write(format_args!("event walker: {} native modules, {} stacks", walker.natives.len(), walker.stacks.len()));
+        log::write(format_args!(
+            "event walker: {} native modules, {} stacks",
+            walker.natives.len(),
+            walker.stacks.len()
+        ));
         Ok(walker)
     }
 
@@ -253,7 +257,8 @@ impl EventWalker {
                 self.publish();
             }
             let mut out = vec![0u64; signal::MAX_FRAMES];
-            let walk = signal::rewalk(&self.map, &copy.as_stack_copy(), (raw, walk_flags), &mut self.rewalk_cache, &mut out);
+            let walk =
+                signal::rewalk(&self.map, &copy.as_stack_copy(), (raw, walk_flags), &mut self.rewalk_cache, &mut out);
             out.truncate(walk.len);
             let leading = out.iter().take_while(|&&f| self.map.native_at(lookup_address(f)).is_some()).count();
             out.drain(..leading);

@@ -460,15 +460,8 @@ impl EventQueue {
         // triggered it; its stack says why (a background GC's thread has no
         // managed frames and yields an empty stack).
         let stack = capture_own_stack(info, native, thread);
-        *self.gc_in_progress.lock().unwrap_or_else(|p| p.into_inner()) = Some(GcInProgress {
-            started: Instant::now(),
-            time_ns,
-            generation,
-            reason,
-            thread,
-            os_tid,
-            stack,
-        });
+        *self.gc_in_progress.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some(GcInProgress { started: Instant::now(), time_ns, generation, reason, thread, os_tid, stack });
     }
 
     pub fn gc_finished(&self) {
@@ -560,6 +553,26 @@ mod tests {
             "ordered by first occurrence"
         );
         assert!(queue.take().is_empty());
+    }
+
+    #[test]
+    fn native_walks_are_tallied_with_their_walk_flags_and_taken_as_raw_frames() {
+        let queue = EventQueue::default();
+        let form = RAW_BIT | u64::from(corsnap_unwind::flags::COMPLETE | corsnap_unwind::flags::UNKNOWN_CODE) << 8;
+        let raw_key = [EventKind::Exceptions as u64, 0x10, 7, 0xc1, form, 0xaaa, 0xbbb];
+        for _ in 0..3 {
+            queue.tally(EventKind::Exceptions, || 1, 0x10, &raw_key);
+        }
+        // The same class and thread walked by DoStackSnapshot: another stack.
+        queue.tally(EventKind::Exceptions, || 2, 0x10, &key(EventKind::Exceptions, 0x10, 0xc1, &[0xaaa, 0xbbb]));
+        let events = queue.take();
+        assert_eq!(events.len(), 2);
+        let native = &events[0];
+        assert_eq!((native.weight, native.frames.as_slice(), native.truncated), (3, &[0xaaa, 0xbbb][..], false));
+        let raw = native.raw.as_ref().expect("raw frames");
+        assert_eq!(raw.flags, corsnap_unwind::flags::COMPLETE | corsnap_unwind::flags::UNKNOWN_CODE);
+        assert!(raw.copy.is_none());
+        assert!(events[1].raw.is_none() && events[1].weight == 1);
     }
 
     #[test]

@@ -21,9 +21,9 @@ use corsnap_wire::{EventKind, Message, SampleHead, SamplerStats};
 use crate::budget::PauseBudget;
 use crate::events::Subject;
 
+use crate::event_walks::EventWalker;
 use crate::log;
 use crate::names::NameResolver;
-use crate::event_walks::EventWalker;
 use crate::signal_engine::{FrameName, SignalEngine};
 use crate::Shared;
 
@@ -1044,7 +1044,8 @@ impl SamplerLoop {
             return;
         }
         check.logged += 1;
-        let mut name = |f: u64| self.names.resolve(f as FunctionID).map_or_else(|e| format!("{f:#x} ({e})"), |n| n.name);
+        let mut name =
+            |f: u64| self.names.resolve(f as FunctionID).map_or_else(|e| format!("{f:#x} ({e})"), |n| n.name);
         let ours: Vec<String> = ours.iter().map(|&f| name(f)).collect();
         let theirs: Vec<String> = theirs.iter().map(|&f| name(f)).collect();
         log::write(format_args!(
