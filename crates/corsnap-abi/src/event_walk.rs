@@ -66,10 +66,16 @@ static UNKNOWN_STACKS: AtomicU64 = AtomicU64::new(0);
 /// Walks that used a cache of their own (the pool was empty).
 static POOL_EMPTY: AtomicU64 = AtomicU64::new(0);
 
-/// Words of stack kept at most when a walk met unknown code (32 KiB, as the
-/// signal handler keeps): a walk that did not reach the root is copied to
-/// this depth, and a copy is made at every event until the code is learned.
-pub const MAX_COPY_WORDS: usize = 4096;
+/// Words of stack kept at most when a walk met unknown code and still
+/// reached the root (256 KiB): the copy goes as deep as the walk went. An
+/// exception thrown in a catch block sits on the first one's dispatch, and
+/// its stack is deeper than the signal handler's 32 KiB copies.
+pub const MAX_COPY_WORDS: usize = 32768;
+/// Words kept of a walk that met unknown code and did not reach the root
+/// (32 KiB, as the signal handler keeps): how far its guesses reach is
+/// unknown, and a copy is made at every such event until the code is
+/// learned.
+const LOST_COPY_WORDS: usize = 4096;
 /// Words copied beyond the deepest frame a complete walk reached.
 const COPY_SLACK_WORDS: usize = 64;
 
@@ -205,12 +211,12 @@ pub fn walk_own_stack(
     walk.splice = walk.splice.and_then(|(i, at)| Some((i.checked_sub(leading)?, at)));
     if walk.flags & corsnap_unwind::flags::UNKNOWN_CODE != 0 {
         let stack_words = ((stack.end - regs.sp) / 8) as usize;
-        let deep = if walk.flags & corsnap_unwind::flags::COMPLETE != 0 {
-            ((walk.sp.saturating_sub(regs.sp)) / 8) as usize + COPY_SLACK_WORDS
+        let words = if walk.flags & corsnap_unwind::flags::COMPLETE != 0 {
+            (((walk.sp.saturating_sub(regs.sp)) / 8) as usize + COPY_SLACK_WORDS).min(MAX_COPY_WORDS)
         } else {
-            stack_words
+            LOST_COPY_WORDS
         };
-        let words = deep.min(stack_words).min(MAX_COPY_WORDS);
+        let words = words.min(stack_words);
         let mut kept = Vec::with_capacity(words);
         for i in 0..words as u64 {
             let address = regs.sp + 8 * i;
