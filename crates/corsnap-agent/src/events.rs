@@ -382,7 +382,7 @@ impl EventQueue {
             });
             return true;
         }
-        let form = truncated as u64 * TRUNCATED_BIT | RAW_BIT | u64::from(walk.flags) << 8;
+        let form = (truncated as u64 * TRUNCATED_BIT) | RAW_BIT | (u64::from(walk.flags) << 8);
         words[..KEY_HEAD].copy_from_slice(&[kind as u64, thread as u64, os_tid as u64, class as u64, form]);
         self.tally(kind, now_ns, thread, &words[..KEY_HEAD + walk.len]);
         true
