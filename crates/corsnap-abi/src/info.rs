@@ -32,6 +32,7 @@ mod slot {
     pub const GET_RUNTIME_INFORMATION: usize = 67;
     pub const ENUM_THREADS: usize = 71;
     pub const SET_EVENT_MASK2: usize = 82;
+    pub const GET_NATIVE_CODE_START_ADDRESSES: usize = 90;
     pub const SUSPEND_RUNTIME: usize = 97;
     pub const RESUME_RUNTIME: usize = 98;
 }
@@ -47,6 +48,7 @@ const _: () = {
     assert!(slot::ENUM_JITED_FUNCTIONS == INFO_VTABLE_LEN[1]); // first of Info3
     assert!(slot::ENUM_THREADS == INFO_VTABLE_LEN[2]); // first of Info4
     assert!(slot::SET_EVENT_MASK2 == INFO_VTABLE_LEN[3] + 1); // second of Info5
+    assert!(slot::GET_NATIVE_CODE_START_ADDRESSES == INFO_VTABLE_LEN[7]); // first of Info9
     assert!(slot::SUSPEND_RUNTIME == INFO_VTABLE_LEN[9] - 2); // last two of Info10
     assert!(slot::RESUME_RUNTIME == INFO_VTABLE_LEN[9] - 1);
     assert!(slot::EVENT_PIPE_START_SESSION == INFO_VTABLE_LEN[10]); // first of Info12
@@ -539,6 +541,23 @@ impl CorProfilerInfo {
     /// Every loaded module. Never call while the runtime is suspended.
     pub fn enum_modules(&self) -> HResult<Vec<ModuleID>> {
         self.enumerate(slot::ENUM_MODULES)
+    }
+
+    /// Where each native code version of `function` (its tiers, for the
+    /// IL the runtime started with) begins (Info9).
+    pub fn get_native_code_start_addresses(&self, function: FunctionID) -> HResult<Vec<u64>> {
+        type F = unsafe extern "C" fn(*mut c_void, FunctionID, usize, u32, *mut u32, *mut usize) -> HRESULT;
+        let mut starts = [0usize; 16];
+        let mut count = 0u32;
+        // SAFETY: GetNativeCodeStartAddresses(FunctionID, ReJITID,
+        // ULONG32 cCodeStartAddresses, ULONG32 *pcCodeStartAddresses,
+        // UINT_PTR codeStartAddresses[]); ReJITID 0 is the original IL.
+        unsafe {
+            let f: F = self.method(slot::GET_NATIVE_CODE_START_ADDRESSES)?;
+            check(f(self.raw(), function, 0, starts.len() as u32, &mut count, starts.as_mut_ptr()))?;
+        }
+        let n = (count as usize).min(starts.len());
+        Ok(starts[..n].iter().map(|&a| a as u64).collect())
     }
 
     /// Every JIT-compiled function (not ReadyToRun code).

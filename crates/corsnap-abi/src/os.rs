@@ -21,24 +21,31 @@ pub fn terminal_size(fd: i32) -> Option<(u16, u16)> {
 
 /// Local time as `2026-11-23_10-56-47`, for file names.
 pub fn local_timestamp() -> String {
-    // SAFETY: time and localtime_r with our own out-struct.
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let [year, month, day, hour, minute, second] = local_time(now as i64);
+    format!("{year:04}-{month:02}-{day:02}_{hour:02}-{minute:02}-{second:02}")
+}
+
+/// The local calendar time of a Unix time in seconds: year, month (1-12),
+/// day, hour, minute, second. UTC if the time zone cannot be read.
+pub fn local_time(unix_secs: i64) -> [i64; 6] {
+    let t: libc::time_t = unix_secs as libc::time_t;
+    // SAFETY: localtime_r reads `t` and fills our own zeroed out-struct.
     let tm = unsafe {
-        let now = libc::time(std::ptr::null_mut());
         let mut tm: libc::tm = std::mem::zeroed();
-        if libc::localtime_r(&now, &mut tm).is_null() {
-            return format!("{now}");
+        if libc::localtime_r(&t, &mut tm).is_null() && libc::gmtime_r(&t, &mut tm).is_null() {
+            return [1970, 1, 1, 0, 0, 0];
         }
         tm
     };
-    format!(
-        "{:04}-{:02}-{:02}_{:02}-{:02}-{:02}",
-        tm.tm_year + 1900,
-        tm.tm_mon + 1,
-        tm.tm_mday,
-        tm.tm_hour,
-        tm.tm_min,
-        tm.tm_sec
-    )
+    [
+        i64::from(tm.tm_year) + 1900,
+        i64::from(tm.tm_mon) + 1,
+        i64::from(tm.tm_mday),
+        i64::from(tm.tm_hour),
+        i64::from(tm.tm_min),
+        i64::from(tm.tm_sec),
+    ]
 }
 
 static STOP_COUNT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);

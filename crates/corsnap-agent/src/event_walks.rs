@@ -64,6 +64,9 @@ pub struct EventWalker {
     stacks: Vec<std::ops::Range<u64>>,
     map: Arc<CodeMap>,
     map_dirty: bool,
+    /// The native modules changed since the map was built (else a new map
+    /// keeps its native unwinder, and with it every walk cache's rules).
+    natives_dirty: bool,
     sigreturn: u64,
     learner: CodeLearner,
     symbols: Symbolizer,
@@ -100,6 +103,7 @@ impl EventWalker {
             stacks: Vec::new(),
             map: Arc::new(CodeMap::default()),
             map_dirty: true,
+            natives_dirty: true,
             sigreturn: SignalSampler::sigreturn_trampoline(),
             learner: CodeLearner::new(info, layout),
             symbols: Symbolizer::default(),
@@ -400,6 +404,7 @@ impl EventWalker {
         }
         self.natives = natives;
         self.map_dirty = true;
+        self.natives_dirty = true;
     }
 
     fn refresh_stacks(&mut self) {
@@ -420,8 +425,13 @@ impl EventWalker {
             .filter(|m| HOST_MODULES.iter().any(|h| m.name.ends_with(h)))
             .map(|m| m.code.clone())
             .collect();
-        let map = CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn)
-            .with_roots(roots);
+        let map = if self.natives_dirty {
+            CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn)
+                .with_roots(roots)
+        } else {
+            self.map.with_same_natives(self.managed.clone(), self.stacks.clone())
+        };
+        self.natives_dirty = false;
         self.managed = map.managed().to_vec();
         self.map = Arc::new(map);
         if let Some(m) = self.events_map.as_mut() {

@@ -669,6 +669,17 @@ impl SamplerLoop {
             .into_iter()
             .map(|s| (s.os_tid, s.frames.into_iter().filter(|f| f & corsnap_wire::NATIVE_FRAME_BIT == 0).collect()))
             .collect();
+        // The runtime's own managed exception dispatch (`System.Runtime.EH`,
+        // .NET 9 and later; native code in libcoreclr before) is shown as one
+        // `[exception dispatch]` frame, like native code, and DoStackSnapshot
+        // never reports it: the comparison is of the methods the profile
+        // shows as methods.
+        let mut ours = ours;
+        for frames in ours.values_mut() {
+            frames.retain(|&f| {
+                self.names.resolve(f as FunctionID).map_or(true, |n| !n.name.starts_with("System.Runtime.EH."))
+            });
+        }
         let stacks = std::mem::take(&mut self.buffers.stacks);
         for record in &stacks {
             let Some(ours) = ours.get(&record.os_tid) else { continue };

@@ -27,7 +27,9 @@ use std::time::{Duration, Instant};
 use corsnap_abi::signal::{self, SignalSampler, SlotId};
 use corsnap_abi::FunctionID;
 use corsnap_unwind::process::{native_module, parse_maps, stack_ranges, LoadedElf};
-use corsnap_unwind::{flags, lookup_address, CodeMap, ManagedCode, NativeModule};
+use corsnap_unwind::{
+    flags, lookup_address, parse_hijack_stub, CodeMap, HijackStub, ManagedCode, NativeModule, HIJACK_STUB_START,
+};
 use corsnap_wire::{SamplerStats, NATIVE_FRAME_BIT};
 
 use crate::code_learning::{CodeLearner, Learned, STUB_TAG};
@@ -149,6 +151,10 @@ pub struct SignalEngine {
     map: Arc<CodeMap>,
     map_dirty: bool,
     sigreturn: u64,
+    /// The runtime's hijack trampoline, once found.
+    hijack_stub: Option<HijackStub>,
+    /// The native modules changed since the map was last built.
+    natives_changed: bool,
     learner: CodeLearner,
     symbols: Symbolizer,
     /// Address (as looked up) to frame id.
@@ -174,6 +180,10 @@ pub struct SignalEngine {
     requested: Vec<Sample>,
     /// Samples walked again from their stack copy.
     pub rewalked: u64,
+    /// Bodies learned as the runtime finished compiling them, and the time
+    /// that took.
+    learned_at_compile: u64,
+    learning_at_compile: Duration,
     rewalked_before_collect: u64,
     started: Instant,
     pub samples: u64,
@@ -213,6 +223,7 @@ impl SignalEngine {
             signal::InstallError::Os(e) => format!("cannot install the sampling signal handler: {e}"),
         })?;
         let mono_epoch_ns = signal::monotonic_ns().saturating_sub(shared.now_ns());
+        let symbols = Symbolizer::with_search_dirs(&shared.symbol_dirs);
         let learner = CodeLearner::new(shared.info, layout);
         let mut engine = SignalEngine {
             shared,
@@ -235,8 +246,10 @@ impl SignalEngine {
             map: Arc::new(CodeMap::default()),
             map_dirty: true,
             sigreturn: SignalSampler::sigreturn_trampoline(),
+            hijack_stub: None,
+            natives_changed: true,
             learner,
-            symbols: Symbolizer::default(),
+            symbols,
             frame_ids: HashMap::new(),
             stack_ids: HashMap::new(),
             pending_names: Vec::new(),
@@ -251,6 +264,8 @@ impl SignalEngine {
             rewalk_cache: corsnap_unwind::WalkCache::new(),
             requested: Vec::new(),
             rewalked: 0,
+            learned_at_compile: 0,
+            learning_at_compile: Duration::ZERO,
             rewalked_before_collect: 0,
             started: Instant::now(),
             samples: 0,
@@ -322,6 +337,7 @@ impl SignalEngine {
             self.refresh_modules();
             self.scan_threads();
         }
+        self.learn_compiled();
         self.drain(out);
         out.append(&mut self.leftovers);
         if self.map_dirty {
@@ -414,11 +430,14 @@ impl SignalEngine {
             }
             let c = signal::counters();
             log::write(format_args!(
-                "signal engine stopped: {} samples ({} walked again from their stack copy); {} JIT bodies ({} found \
-                 by the runtime's code map, {} map answers refused), {} stubs and {} images learned; {c:?}",
+                "signal engine stopped: {} samples ({} walked again from their stack copy); {} JIT bodies ({} as \
+                 they were compiled, in {:?}, {} found by the runtime's code map, {} map answers refused), {} stubs and {} \
+                 images learned; {c:?}",
                 self.samples,
                 self.rewalked,
                 self.learner.jit_bodies_learned,
+                self.learned_at_compile,
+                self.learning_at_compile,
                 self.learner.found_by_map,
                 self.learner.map_misses,
                 self.learner.stubs_learned,
@@ -476,6 +495,30 @@ impl SignalEngine {
         self.scratch = scratch;
     }
 
+    /// Learns the code of the functions the runtime compiled since the last
+    /// round, before a sample lands in it: a sample in a body not learned
+    /// yet needs a stack copy and a second walk.
+    fn learn_compiled(&mut self) {
+        let compiled = std::mem::take(&mut *self.shared.jitted.lock().unwrap_or_else(|p| p.into_inner()));
+        if compiled.is_empty() {
+            return;
+        }
+        let started = Instant::now();
+        for function in compiled {
+            let Ok(starts) = self.shared.info.get_native_code_start_addresses(function) else { continue };
+            for start in starts {
+                if start == 0 || self.map.is_code(start) || self.managed.iter().any(|m| m.code.contains(&start)) {
+                    continue;
+                }
+                if let Learned::Code(code) = self.learner.learn(start) {
+                    self.add_managed(code);
+                    self.learned_at_compile += 1;
+                }
+            }
+        }
+        self.learning_at_compile += started.elapsed();
+    }
+
     /// A sample whose walk met code not known yet: learn that code, and walk
     /// the sample's copy of its stack again with what was learned, until
     /// nothing new turns up.
@@ -484,6 +527,16 @@ impl SignalEngine {
         // be known by now (learned from an earlier sample), or be learned
         // from this one's addresses.
         let original = (raw.frames.clone(), raw.flags);
+        if self.debug_walks {
+            let unknown: Vec<String> = raw
+                .frames
+                .iter()
+                .map(|&f| lookup_address(f))
+                .filter(|&a| !self.map.is_code(a))
+                .map(|a| format!("{a:#x}{}", if self.not_managed.contains(&a) { "(not managed)" } else { "" }))
+                .collect();
+            log::write(format_args!("walked again from its copy: unknown {}", unknown.join(" ")));
+        }
         for round in 0..8 {
             let mut learned = false;
             for &frame in &raw.frames {
@@ -575,7 +628,7 @@ impl SignalEngine {
                     format!("{f:#x}({what})")
                 })
                 .collect();
-            log::write(format_args!("walk flags {walk_flags:#x}: {}", desc.join(" ")));
+            log::write(format_args!("walk flags {walk_flags:#x}, thread {tid}: {}", desc.join(" ")));
             for &f in raw.iter().take(1) {
                 let a = lookup_address(f);
                 if self.map.managed_at(a).is_none() && self.map.native_at(a).is_none() {
@@ -833,9 +886,13 @@ impl SignalEngine {
         self.managed.retain(|m| m.code.end <= code.code.start || m.code.start >= code.code.end);
         self.managed.push(code);
         self.map_dirty = true;
-        // Addresses cached as unknown may be in it now.
+        // Addresses cached as unknown may be in it now, and the stacks made
+        // of them (a body learned as it was compiled usually changes none).
+        let cached = self.frame_ids.len();
         self.frame_ids.retain(|_, id| *id != UNKNOWN_CODE_KEY);
-        self.stack_ids.clear();
+        if self.frame_ids.len() != cached {
+            self.stack_ids.clear();
+        }
     }
 
     /// Rebuilds the native part of the map if the loader's set changed.
@@ -847,6 +904,15 @@ impl SignalEngine {
         self.loader_counters = counters;
         let mut natives = Vec::new();
         for o in &objects {
+            if self.hijack_stub.is_none() && !self.native_cache.contains_key(&(o.name.clone(), o.bias)) {
+                self.hijack_stub = find_hijack_stub(o);
+                if let Some(stub) = &self.hijack_stub {
+                    log::write(format_args!(
+                        "the runtime's hijack trampoline: {:#x}..{:#x}",
+                        stub.range.start, stub.range.end
+                    ));
+                }
+            }
             let entry = self.native_cache.entry((o.name.clone(), o.bias)).or_insert_with(|| {
                 let elf =
                     LoadedElf { name: &o.name, bias: o.bias, segments: &o.segments, eh_frame_hdr: o.eh_frame_hdr };
@@ -857,6 +923,7 @@ impl SignalEngine {
             }
         }
         self.natives = natives;
+        self.natives_changed = true;
         self.map_dirty = true;
     }
 
@@ -947,7 +1014,13 @@ impl SignalEngine {
     }
 
     fn publish(&mut self) {
-        let map = CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn);
+        let map = if self.natives_changed {
+            self.natives_changed = false;
+            CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn)
+                .with_hijack_stub(self.hijack_stub.clone())
+        } else {
+            self.map.with_same_natives(self.managed.clone(), self.stacks.clone())
+        };
         self.managed = map.managed().to_vec();
         self.map = Arc::new(map);
         // While draining, the sampler is out of its place: the handler gets
@@ -964,6 +1037,39 @@ impl SignalEngine {
 
 fn interval_ns(hz: u32) -> u64 {
     1_000_000_000 / u64::from(hz.clamp(1, crate::MAX_RATE_HZ))
+}
+
+/// The runtime's hijack trampoline, if `object` is the runtime (libcoreclr,
+/// or an executable it is linked into: a single-file app): found by its
+/// first bytes in the executable segments, and kept only if its whole shape
+/// is the one [`parse_hijack_stub`] knows. Read once per module, on the
+/// agent's thread.
+fn find_hijack_stub(object: &corsnap_abi::process::LoadedObject) -> Option<HijackStub> {
+    let runtime_candidate = object.name.is_empty() || object.name.ends_with("/libcoreclr.so");
+    if !runtime_candidate {
+        return None;
+    }
+    let mut found = None;
+    for &(stated, size, executable) in &object.segments {
+        if !executable || size == 0 || size > 256 << 20 {
+            continue;
+        }
+        let start = object.bias.wrapping_add(stated);
+        let Some(code) = corsnap_abi::process::read_own_bytes(start, size as usize) else { continue };
+        let mut from = 0;
+        while let Some(at) = code[from..].windows(HIJACK_STUB_START.len()).position(|w| w == HIJACK_STUB_START) {
+            let offset = from + at;
+            if let Some(stub) = parse_hijack_stub(&code[offset..], start + offset as u64) {
+                if found.is_some() {
+                    // Two of them: which one the runtime uses is not known.
+                    return None;
+                }
+                found = Some(stub);
+            }
+            from = offset + 1;
+        }
+    }
+    found
 }
 
 /// The agent's own threads are named `corsnap-…`.

@@ -1,8 +1,8 @@
 //! Names for native frames, from ELF symbol tables, on the agent's thread
 //! (never in the signal handler): `libc.so.6!qsort`, or `libcoreclr.so+0x1a2b3c`
 //! where the module has no symbol there (Microsoft ships libcoreclr.so with
-//! only its exports; its `.gnu_debuglink` file, when installed beside it or
-//! under /usr/lib/debug, is used instead).
+//! only its exports; its debug file, in a folder named by `--symbols`,
+//! beside it or under /usr/lib/debug, is used instead).
 //!
 //! A module's table is read once, the first time one of its addresses needs
 //! a name: `.symtab` if the file (or its debug file) has one, else `.dynsym`.
@@ -97,29 +97,60 @@ fn demangle(name: &str) -> String {
     name.to_string()
 }
 
-/// The file with the symbols for `path`: the debug file its
-/// `.gnu_debuglink` or build id names, if one is installed, else itself.
-fn debug_file_for<'d, R: object::ReadRef<'d>>(path: &Path, data: R) -> Option<PathBuf> {
+/// The file with the symbols for `path`: the debug file that the user's
+/// folders (`--symbols`, searched first), its `.gnu_debuglink` or its build
+/// id name, if one is there, else itself. A candidate whose build id
+/// differs from the module's is someone else's symbols and is passed over:
+/// wrong names are worse than none.
+fn debug_file_for<'d, R: object::ReadRef<'d>>(path: &Path, data: R, search_dirs: &[PathBuf]) -> Option<PathBuf> {
     let file = object::File::parse(data).ok()?;
     if file.section_by_name(".symtab").is_some() {
         return None;
     }
+    let build_id = file.build_id().ok().flatten().filter(|id| id.len() > 1).map(<[u8]>::to_vec);
+    let build_id_path = build_id.as_ref().map(|id| {
+        let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+        format!(".build-id/{}/{}.debug", &hex[..2], &hex[2..])
+    });
+    let link = file.gnu_debuglink().ok().flatten().map(|(link, _crc)| String::from_utf8_lossy(link).into_owned());
+    let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+
     let mut candidates = Vec::new();
-    if let Ok(Some(id)) = file.build_id() {
-        if id.len() > 1 {
-            let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
-            candidates.push(PathBuf::from(format!("/usr/lib/debug/.build-id/{}/{}.debug", &hex[..2], &hex[2..])));
+    // The user's folders: the layouts `dotnet-symbol` and distributions use
+    // (`libcoreclr.so.dbg` flat, a build-id tree), the debuglink's name, and
+    // an unstripped copy under the module's own name.
+    for dir in search_dirs {
+        if let Some(rel) = &build_id_path {
+            candidates.push(dir.join(rel));
+        }
+        if let Some(link) = &link {
+            candidates.push(dir.join(link));
+        }
+        if let Some(name) = &file_name {
+            candidates.push(dir.join(format!("{name}.dbg")));
+            candidates.push(dir.join(format!("{name}.debug")));
+            candidates.push(dir.join(name));
         }
     }
-    if let Ok(Some((link, _crc))) = file.gnu_debuglink() {
-        let link = String::from_utf8_lossy(link).into_owned();
-        if let Some(dir) = path.parent() {
-            candidates.push(dir.join(&link));
-            candidates.push(dir.join(".debug").join(&link));
-            candidates.push(Path::new("/usr/lib/debug").join(dir.strip_prefix("/").unwrap_or(dir)).join(&link));
-        }
+    if let Some(rel) = &build_id_path {
+        candidates.push(Path::new("/usr/lib/debug").join(rel));
     }
-    candidates.into_iter().find(|c| c.is_file() && c != path)
+    if let (Some(link), Some(dir)) = (&link, path.parent()) {
+        candidates.push(dir.join(link));
+        candidates.push(dir.join(".debug").join(link));
+        candidates.push(Path::new("/usr/lib/debug").join(dir.strip_prefix("/").unwrap_or(dir)).join(link));
+    }
+    candidates.into_iter().find(|c| c.is_file() && c != path && same_build(c, build_id.as_deref()))
+}
+
+/// Whether the debug file at `candidate` was built with the module whose
+/// build id is `module_id` (a module without one accepts any).
+fn same_build(candidate: &Path, module_id: Option<&[u8]>) -> bool {
+    let Some(module_id) = module_id else { return true };
+    let Ok(handle) = std::fs::File::open(candidate) else { return false };
+    let data = object::ReadCache::new(handle);
+    let Ok(file) = object::File::parse(&data) else { return false };
+    matches!(file.build_id(), Ok(Some(id)) if id == module_id)
 }
 
 /// What a native frame is called, and the id it goes by on the wire.
@@ -137,14 +168,21 @@ pub struct NativeName {
 #[derive(Debug, Default)]
 pub struct Symbolizer {
     tables: HashMap<String, Option<SymbolTable>>,
+    /// The folders the user named for debug files, searched first.
+    search_dirs: Vec<PathBuf>,
 }
 
 impl Symbolizer {
+    pub fn with_search_dirs(dirs: &[String]) -> Symbolizer {
+        Symbolizer { tables: HashMap::new(), search_dirs: dirs.iter().map(PathBuf::from).collect() }
+    }
+
     /// Names `addr` in the module loaded from `path` (empty: the main
     /// executable) with load bias `bias`.
     pub fn name(&mut self, path: &str, bias: u64, addr: u64) -> NativeName {
         let module = module_file_name(path);
-        let table = self.tables.entry(path.to_string()).or_insert_with(|| load_table(path));
+        let search_dirs = &self.search_dirs;
+        let table = self.tables.entry(path.to_string()).or_insert_with(|| load_table(path, search_dirs));
         let stated = addr.wrapping_sub(bias);
         match table.as_ref().and_then(|t| t.lookup(stated)) {
             Some(sym) => NativeName {
@@ -171,7 +209,7 @@ pub fn module_file_name(path: &str) -> String {
         .unwrap_or_else(|| "[unknown module]".to_string())
 }
 
-fn load_table(path: &str) -> Option<SymbolTable> {
+fn load_table(path: &str, search_dirs: &[PathBuf]) -> Option<SymbolTable> {
     if path == "linux-vdso.so.1" {
         return vdso_image().and_then(|data| SymbolTable::from_elf(data.as_slice()));
     }
@@ -179,7 +217,7 @@ fn load_table(path: &str) -> Option<SymbolTable> {
     // Read as needed (the symbol and string tables), not whole: a runtime
     // library is megabytes, and the host's memory would keep the pages.
     let data = object::ReadCache::new(std::fs::File::open(&file).ok()?);
-    if let Some(debug) = debug_file_for(&file, &data) {
+    if let Some(debug) = debug_file_for(&file, &data, search_dirs) {
         let debug_data = std::fs::File::open(&debug).ok().map(object::ReadCache::new);
         if let Some(table) = debug_data.as_ref().and_then(SymbolTable::from_elf) {
             return Some(table);

@@ -342,6 +342,22 @@ impl ProfileBuilder {
     pub fn finish(self) -> Profile {
         self.profile
     }
+
+    /// Takes out the samples and collections from before `before_ns` (the
+    /// agent's clock) as a profile of their own, and keeps the rest: a
+    /// window of a continuous recording. Every sample leaves exactly once,
+    /// in the first window taken after it arrived, so none is lost or
+    /// counted twice however late it comes. The names and threads learned
+    /// so far stay, for the windows to come.
+    pub fn take_window(&mut self, before_ns: u64) -> Profile {
+        let (taken, kept): (Vec<Sample>, Vec<Sample>) =
+            std::mem::take(&mut self.profile.samples).into_iter().partition(|s| s.time_ns < before_ns);
+        self.profile.samples = kept;
+        let (gcs, kept_gcs): (Vec<GcRecord>, Vec<GcRecord>) =
+            std::mem::take(&mut self.profile.gcs).into_iter().partition(|g| g.time_ns < before_ns);
+        self.profile.gcs = kept_gcs;
+        self.profile.subset(taken, gcs)
+    }
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 mod builder;
+pub mod limits;
 pub mod names;
 pub mod roots;
 pub mod writers;
@@ -122,6 +123,9 @@ pub struct Meta {
     pub runtime_version: String,
     pub rate_hz: u32,
     pub start_unix_ms: u64,
+    /// How long the profile covers, when known (a continuous recording's
+    /// window); 0 lets writers take the span of its samples.
+    pub duration_ns: u64,
     pub stats: Option<corsnap_wire::SamplerStats>,
 }
 
@@ -207,6 +211,43 @@ impl Profile {
         let mut p = self.clone();
         p.samples.retain(|s| s.kind == kind);
         p
+    }
+
+    /// A profile of `samples` and `gcs` (which point into this profile's
+    /// tables) holding only the frames, stacks and threads they use: a
+    /// window of a continuous recording, as small as what it shows.
+    pub fn subset(&self, samples: impl IntoIterator<Item = Sample>, gcs: Vec<GcRecord>) -> Profile {
+        let mut out = Profile::new(self.meta.clone());
+        out.gcs = gcs;
+        let mut frame_map: HashMap<FrameIdx, FrameIdx> = HashMap::new();
+        let mut stack_map: HashMap<StackIdx, StackIdx> = HashMap::new();
+        let mut thread_map: HashMap<ThreadIdx, ThreadIdx> = HashMap::new();
+        let mut scratch = Vec::new();
+        for sample in samples {
+            let stack = match stack_map.get(&sample.stack) {
+                Some(&s) => s,
+                None => {
+                    scratch.clear();
+                    for &f in &self.stacks[sample.stack as usize] {
+                        let mapped =
+                            *frame_map.entry(f).or_insert_with(|| out.intern_frame(self.frames[f as usize].clone()));
+                        scratch.push(mapped);
+                    }
+                    let s = out.intern_stack(&scratch);
+                    stack_map.insert(sample.stack, s);
+                    s
+                }
+            };
+            let thread = *thread_map.entry(sample.thread).or_insert_with(|| {
+                let thread = self.threads[sample.thread as usize].clone();
+                if let Some(kernel) = self.os_thread_names.get(&thread.os_tid) {
+                    out.os_thread_names.insert(thread.os_tid, kernel.clone());
+                }
+                out.intern_thread(thread)
+            });
+            out.samples.push(Sample { stack, thread, ..sample });
+        }
+        out
     }
 
     /// Total weight of all samples.

@@ -28,6 +28,7 @@
 
 #![forbid(unsafe_code)]
 
+mod hijack;
 pub mod process;
 
 use std::ops::Range;
@@ -36,6 +37,8 @@ use std::sync::Arc;
 use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64};
 use framehop::{ExplicitModuleSectionInfo, FrameAddress, Module, MustNotAllocateDuringUnwind, Unwinder};
 use pe_unwind_info::x86_64::{FunctionTableEntries, Register, UnwindState, XmmRegister};
+
+pub use hijack::{parse_hijack_stub, HijackStub, HIJACK_STUB_START};
 
 /// Section bytes owned by the map (copied out of the process's memory or
 /// files before any walk can see them).
@@ -276,6 +279,9 @@ pub struct CodeMap {
     /// Code a walk ends at, as if it were the root: a frame in it is kept
     /// and nothing beyond it is walked (see [`CodeMap::with_roots`]).
     roots: Vec<Range<u64>>,
+    /// The runtime's hijack trampoline, stepped over by its prologue rather
+    /// than by its (misleading) CFI.
+    hijack_stub: Option<HijackStub>,
 }
 
 impl std::fmt::Debug for CodeMap {
@@ -318,7 +324,16 @@ impl CodeMap {
         stacks.sort_by_key(|r| r.start);
         static GENERATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let generation = GENERATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        CodeMap { natives, unwinder, managed: kept, stacks, sigreturn, generation, roots: Vec::new() }
+        CodeMap {
+            natives,
+            unwinder,
+            managed: kept,
+            stacks,
+            sigreturn,
+            generation,
+            roots: Vec::new(),
+            hijack_stub: None,
+        }
     }
 
     /// Walks end at a frame in `roots` (kept, marked complete) instead of
@@ -328,6 +343,30 @@ impl CodeMap {
     /// skip.
     pub fn with_roots(mut self, roots: Vec<Range<u64>>) -> CodeMap {
         self.roots = roots;
+        self
+    }
+
+    /// A map with this one's native modules and new managed code and
+    /// stacks. The native unwinder is kept whole, and with it the
+    /// generation framehop's per-thread rule caches are keyed by: a map
+    /// built afresh empties every thread's cache of native unwind rules,
+    /// and the engine publishes a map each time it learns code. (Managed
+    /// code changed: the map's own generation, which a walk cache's managed
+    /// entries are keyed by, is new.)
+    pub fn with_same_natives(&self, managed: Vec<ManagedCode>, stacks: Vec<Range<u64>>) -> CodeMap {
+        let fresh = CodeMap::new(Vec::new(), managed, stacks, self.sigreturn);
+        CodeMap {
+            natives: self.natives.clone(),
+            unwinder: self.unwinder.clone(),
+            hijack_stub: self.hijack_stub.clone(),
+            roots: self.roots.clone(),
+            ..fresh
+        }
+    }
+
+    /// The map, knowing where the runtime's hijack trampoline is.
+    pub fn with_hijack_stub(mut self, stub: Option<HijackStub>) -> CodeMap {
+        self.hijack_stub = stub;
         self
     }
 
@@ -508,6 +547,8 @@ pub fn walk_until<M: Memory>(
                     unknown_step(map, mem, regs, exact)
                 }
             }
+        } else if let Some(stub) = map.hijack_stub.as_ref().filter(|s| s.range.contains(&lookup)) {
+            hijack_stub_step(map, mem, regs, exact, stub)
         } else if map.native_at(lookup).is_some() {
             native_step(map, mem, regs, exact, cache)
         } else {
@@ -741,6 +782,27 @@ fn unknown_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool) -> S
         }
     }
     frame_pointer_step(mem, regs)
+}
+
+/// Out of the hijack trampoline, from the return site of its call (the only
+/// place its slot surely holds the real return address, which is into
+/// managed code: only managed methods are hijacked, and the worker fills
+/// the slot first thing).
+fn hijack_stub_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool, stub: &HijackStub) -> Step {
+    if exact || regs.ip != stub.call_return {
+        return Step::Lost;
+    }
+    let (Some(ip), Some(bp)) = (mem.stack_word(regs.sp + stub.return_slot), mem.stack_word(regs.sp + stub.saved_bp))
+    else {
+        return Step::Lost;
+    };
+    // Into managed code, or into code not known yet (a method body not
+    // learned yet, which the walk then treats as unknown code); never into
+    // a native module.
+    if ip == 0 || (map.managed_at(ip).is_none() && map.native_at(ip).is_some()) {
+        return Step::Lost;
+    }
+    Step::Next(Regs { ip, sp: regs.sp + stub.return_slot + 8, bp })
 }
 
 /// A runtime stub ([`ManagedCode::frameless`]): at the leaf, the return

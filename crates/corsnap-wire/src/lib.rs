@@ -53,6 +53,9 @@ pub const ENV_SAMPLER: &str = "CORSNAP_SAMPLER";
 /// When `1`, the signal engine samples with POSIX CPU timers, not perf
 /// events (`--cpu-clock timer`).
 pub const ENV_NO_PERF_EVENTS: &str = "CORSNAP_NO_PERF_EVENTS";
+/// Folders a launched agent searches for native debug files (`--symbols`),
+/// separated by newlines (a path may hold a `:`).
+pub const ENV_SYMBOLS: &str = "CORSNAP_SYMBOLS";
 
 /// How CPU samples are taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -810,6 +813,8 @@ pub struct AttachRequest {
     /// How event stacks are walked; a request without it means `snapshot`
     /// (what agents before the native walker did).
     pub walker: WalkerKind,
+    /// Folders to search for native debug files (`--symbols`), absolute.
+    pub symbols: Vec<String>,
 }
 
 const ATTACH_MAGIC: &str = "corsnap-attach-v1";
@@ -831,6 +836,9 @@ impl AttachRequest {
         }
         if let Some(log) = &self.log {
             s.push_str(&format!("log={log}\n"));
+        }
+        for dir in &self.symbols {
+            s.push_str(&format!("symbols={dir}\n"));
         }
         s.into_bytes()
     }
@@ -854,6 +862,7 @@ impl AttachRequest {
         let mut sampler = SamplerKind::Suspend;
         let mut timers = false;
         let mut walker = WalkerKind::Snapshot;
+        let mut symbols = Vec::new();
         for line in lines {
             match line.split_once('=')? {
                 ("socket", v) if !v.is_empty() => socket = Some(v.to_string()),
@@ -865,6 +874,7 @@ impl AttachRequest {
                 ("clock", "timer") => timers = true,
                 ("clock", "perf") => timers = false,
                 ("walker", v) => walker = WalkerKind::parse(v)?,
+                ("symbols", v) if !v.is_empty() => symbols.push(v.to_string()),
                 _ => return None,
             }
         }
@@ -877,6 +887,7 @@ impl AttachRequest {
             sampler,
             timers,
             walker,
+            symbols,
         })
     }
 }
@@ -1076,6 +1087,7 @@ mod tests {
             sampler: SamplerKind::Signal,
             timers: true,
             walker: WalkerKind::Native,
+            symbols: vec!["/opt/symbols".into(), "/with:colon".into()],
         };
         assert_eq!(AttachRequest::decode(&req.encode()), Some(req.clone()));
         let snapshot = AttachRequest { walker: WalkerKind::Snapshot, ..req.clone() };

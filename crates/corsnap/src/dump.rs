@@ -27,6 +27,7 @@ pub fn run(options: &DumpOptions) -> Result<()> {
         sampler: corsnap_wire::SamplerKind::Suspend,
         timers: false,
         walker: corsnap_wire::WalkerKind::Snapshot,
+        symbols: Vec::new(),
         socket: listener.socket_path().to_string_lossy().into_owned(),
         // Sampling stays paused: only the one snapshot is taken.
         rate_hz: 0,

@@ -38,6 +38,8 @@ pub struct TopOptions {
     pub sampler: SamplerKind,
     pub timers: bool,
     pub walker: WalkerKind,
+    /// Folders of native debug files (`--symbols`), absolute.
+    pub symbol_dirs: Vec<PathBuf>,
     pub native: NativeFrames,
     pub roots: RootFrames,
     pub raw_names: bool,
@@ -499,6 +501,7 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
                 sampler: options.sampler,
                 timers: options.timers,
                 walker: options.walker,
+                symbols: options.symbol_dirs.iter().map(|d| d.to_string_lossy().into_owned()).collect(),
             };
             let connection = crate::record::attach(*pid, &agent, &listener, &request)?;
             let title = format!("corsnap top · pid {pid} · {}", crate::record::process_command_line(*pid));
@@ -528,11 +531,13 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
                 sampler: options.sampler,
                 timers: options.timers,
                 walker: options.walker,
+                symbol_dirs: options.symbol_dirs.clone(),
                 native: options.native,
                 roots: options.roots,
                 raw_names: options.raw_names,
                 title: String::new(),
                 inverted: false,
+                continuous: None,
             };
             let (process, connection, command) =
                 crate::record::launch_with_output(program, &agent, &listener, &record, &signals, Some(&log))?;
@@ -700,6 +705,7 @@ mod tests {
             sampler: SamplerKind::Signal,
             timers: false,
             walker: WalkerKind::Native,
+            symbol_dirs: Vec::new(),
             native,
             roots,
             raw_names,

@@ -686,13 +686,7 @@ mod taskfaults {
         referee_without_pgo
     );
     check!(net10_measured_shares_within_5_points, TASKFAULTS, Net10, shares);
-    check!(
-        #[ignore = "issue 15: 59 of 67, 78 of 82, 81 of 90 walks identical: in a catch funclet the signal walk goes on through the throw's frames ([Parse, ThrowFormatException, Int32.Parse, Parse, ImportFaulty...] where DoStackSnapshot has [Parse, ImportFaulty, ...]), and shows EH.DispatchEx"]
-        net10_walks_verified_at_the_same_instant,
-        TASKFAULTS,
-        Net10,
-        verified
-    );
+    check!(net10_walks_verified_at_the_same_instant, TASKFAULTS, Net10, verified);
     check!(net8_incomplete_at_most_1_percent, TASKFAULTS, Net8, incomplete);
     check!(net8_unknown_code_at_most_1_percent, TASKFAULTS, Net8, unknown);
     check!(net8_pool_work_rooted_under_worker_start, TASKFAULTS, Net8, rooted);
@@ -721,13 +715,7 @@ mod busy_example {
         Net10,
         referee_without_pgo
     );
-    check!(
-        #[ignore = "issue 15: 38 of 39 walks identical in one fresh-clone CI run (all in two runs before): a requested signal sample with no frames at all where DoStackSnapshot saw ReceiptSerializer.Serialize"]
-        net10_walks_verified_at_the_same_instant,
-        BUSY,
-        Net10,
-        verified
-    );
+    check!(net10_walks_verified_at_the_same_instant, BUSY, Net10, verified);
     check!(net8_incomplete_at_most_1_percent, BUSY, Net8, incomplete);
     check!(net8_unknown_code_at_most_1_percent, BUSY, Net8, unknown);
     check!(net8_pairs_and_roots_agree_with_do_stack_snapshot, BUSY, Net8, referee);

@@ -385,7 +385,7 @@ fn net10_code_is_found_through_the_runtimes_own_code_map() {
     let stopped = log.lines().find(|l| l.contains("signal engine stopped")).unwrap_or_else(|| panic!("{log}"));
     let numbers: Vec<u64> =
         stopped.split(|c: char| !c.is_ascii_digit()).filter(|w| !w.is_empty()).map(|w| w.parse().unwrap()).collect();
-    // "... {bodies} JIT bodies ({by_map} found by the runtime's code map, {refused} map answers refused)"
+    // "... {bodies} JIT bodies (... {by_map} found by the runtime's code map, {refused} map answers refused)"
     let at = stopped.find("JIT bodies").unwrap();
     let head: Vec<u64> = stopped[..at]
         .split(|c: char| !c.is_ascii_digit())
@@ -394,7 +394,9 @@ fn net10_code_is_found_through_the_runtimes_own_code_map() {
         .collect();
     let bodies = *head.last().unwrap();
     let tail = &stopped[at..];
-    let by_map: u64 = tail.split('(').nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    // "... {by_map} found by the runtime's code map"
+    let by_map_at = tail.find(" found by the runtime's code map").unwrap_or_else(|| panic!("{stopped}"));
+    let by_map: u64 = tail[..by_map_at].rsplit(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap();
     assert!(bodies > 0 && by_map == bodies, "{stopped} ({numbers:?})");
     assert!(tail.contains(", 0 map answers refused"), "{stopped}");
 }

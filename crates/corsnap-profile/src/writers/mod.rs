@@ -3,7 +3,7 @@
 mod collapsed;
 mod flamegraph;
 mod pprof;
-pub use pprof::{decode_pprof, PprofSummary};
+pub use pprof::{decode_pprof, encode_pprof, PprofSummary};
 mod speedscope;
 
 use std::borrow::Cow;
@@ -129,7 +129,7 @@ pub fn writer_for(format: Format) -> Box<dyn ProfileWriter> {
 /// Every frame's name as the output shows it, by [`crate::FrameIdx`]: its
 /// readable form ([`crate::Frame::display_name`]), or the raw name with
 /// [`WriteOptions::raw_names`].
-pub(crate) fn frame_names<'a>(profile: &'a Profile, options: &WriteOptions) -> Vec<Cow<'a, str>> {
+pub fn frame_names<'a>(profile: &'a Profile, options: &WriteOptions) -> Vec<Cow<'a, str>> {
     profile
         .frames
         .iter()

@@ -45,6 +45,12 @@ impl ProfileWriter for PprofWriter {
     }
 }
 
+/// The pprof protobuf of `profile`, not compressed: for senders that
+/// check its size against a server's limit before compressing it.
+pub fn encode_pprof(profile: &Profile, options: &WriteOptions) -> Vec<u8> {
+    build(profile, options).encode_to_vec()
+}
+
 /// pprof's `string_table`: every string once, `""` first as the format requires.
 struct Strings {
     table: Vec<String>,
@@ -199,6 +205,7 @@ fn build(profile: &Profile, options: &WriteOptions) -> proto::Profile {
 
     let times = profile.samples.iter().map(|sample| sample.time_ns);
     let duration_nanos = match (times.clone().min(), times.max()) {
+        _ if profile.meta.duration_ns > 0 => to_i64(profile.meta.duration_ns),
         (Some(first), Some(last)) => to_i64(last - first),
         _ => 0,
     };
@@ -304,6 +311,7 @@ mod tests {
             runtime_version: "8.0.4".to_string(),
             rate_hz: 100,
             start_unix_ms: 1_700_000_000_000,
+            duration_ns: 0,
             stats: None,
         });
         let main = profile.intern_frame(frame("Shop.Program.Main", "Shop.dll"));
