@@ -15,6 +15,9 @@
 # newest under the SDK's packs/), and its runtimeconfig names the
 # Microsoft.AspNetCore.App framework.
 #
+# CORSNAP_CSC_DEBUG=embedded embeds the portable PDB in the assembly
+# (`csc -debug:embedded`) instead of writing it beside.
+#
 # The compiler and the assemblies compiled against come from
 # $CORSNAP_DEPS/env.sh (scripts/setup.sh), unless already in the environment.
 set -euo pipefail
@@ -68,10 +71,13 @@ mkdir -p "$outdir" || die "cannot create output directory: $outdir"
 dll="$outdir/$name.dll"
 config="$outdir/$name.runtimeconfig.json"
 
+debug="${CORSNAP_CSC_DEBUG:-portable}"
+case "$debug" in portable|embedded) ;; *) die "CORSNAP_CSC_DEBUG must be portable or embedded, not '$debug'" ;; esac
+
 rsp="$(mktemp)"
 trap 'rm -f "$rsp"' EXIT
 {
-    echo "-nologo -target:exe -optimize+ -deterministic -debug:portable -unsafe -langversion:latest"
+    echo "-nologo -target:exe -optimize+ -deterministic -debug:${debug} -unsafe -langversion:latest"
     echo "-nowarn:CS1701,CS1702,CS8981"
     printf -- '-out:"%s"\n' "$dll"
     for f in "$refs"/*.dll; do

@@ -24,6 +24,7 @@ mod slot {
     pub const GET_MODULE_INFO: usize = 20;
     pub const GET_MODULE_METADATA: usize = 21;
     pub const FORCE_GC: usize = 28;
+    pub const GET_IL_TO_NATIVE_MAPPING: usize = 35;
     pub const DO_STACK_SNAPSHOT: usize = 36;
     pub const GET_FUNCTION_INFO2: usize = 38;
     pub const ENUM_JITED_FUNCTIONS: usize = 57;
@@ -33,6 +34,7 @@ mod slot {
     pub const ENUM_THREADS: usize = 71;
     pub const SET_EVENT_MASK2: usize = 82;
     pub const GET_NATIVE_CODE_START_ADDRESSES: usize = 90;
+    pub const GET_IL_TO_NATIVE_MAPPING3: usize = 91;
     pub const SUSPEND_RUNTIME: usize = 97;
     pub const RESUME_RUNTIME: usize = 98;
 }
@@ -45,6 +47,8 @@ pub const INFO_VTABLE_LEN: [usize; 14] = [36, 57, 71, 81, 83, 84, 87, 90, 93, 99
 const _: () = {
     // The slots corsnap calls sit where corprof.idl puts them.
     assert!(slot::DO_STACK_SNAPSHOT == INFO_VTABLE_LEN[0]); // first method of Info2
+    assert!(slot::GET_IL_TO_NATIVE_MAPPING == INFO_VTABLE_LEN[0] - 1); // last of Info
+    assert!(slot::GET_IL_TO_NATIVE_MAPPING3 == INFO_VTABLE_LEN[7] + 1); // second of Info9
     assert!(slot::ENUM_JITED_FUNCTIONS == INFO_VTABLE_LEN[1]); // first of Info3
     assert!(slot::ENUM_THREADS == INFO_VTABLE_LEN[2]); // first of Info4
     assert!(slot::SET_EVENT_MASK2 == INFO_VTABLE_LEN[3] + 1); // second of Info5
@@ -67,8 +71,37 @@ pub struct RuntimeInfo {
 }
 
 /// The snapshot callback's view of one frame: the `FunctionID`, or 0 for a
-/// run of unmanaged frames. Return `false` to stop the walk.
-pub type SnapshotVisit<'a> = dyn FnMut(FunctionID) -> bool + 'a;
+/// run of unmanaged frames, and the frame's instruction pointer (where the
+/// thread stands in the leaf frame, a return address in the others). Return
+/// `false` to stop the walk.
+pub type SnapshotVisit<'a> = dyn FnMut(FunctionID, usize) -> bool + 'a;
+
+/// One entry of a method body's IL-to-native map (`COR_DEBUG_IL_TO_NATIVE_MAP`):
+/// the native code from `native_start` to `native_end` (offsets from the
+/// body's start, end exclusive) was compiled from the IL at `il_offset`, or
+/// is one of the special regions [`il_map::NO_MAPPING`], [`il_map::PROLOG`],
+/// [`il_map::EPILOG`].
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IlToNativeMap {
+    pub il_offset: u32,
+    pub native_start: u32,
+    pub native_end: u32,
+}
+
+const _: () = {
+    assert!(std::mem::size_of::<IlToNativeMap>() == 12);
+    assert!(std::mem::align_of::<IlToNativeMap>() == 4);
+    assert!(std::mem::offset_of!(IlToNativeMap, native_start) == 4);
+    assert!(std::mem::offset_of!(IlToNativeMap, native_end) == 8);
+};
+
+/// The special IL offsets of `CorDebugIlToNativeMappingTypes` (cordebug.idl).
+pub mod il_map {
+    pub const NO_MAPPING: u32 = -1i32 as u32;
+    pub const PROLOG: u32 = -2i32 as u32;
+    pub const EPILOG: u32 = -3i32 as u32;
+}
 
 /// A handle to the runtime's `ICorProfilerInfo` object.
 #[derive(Debug, Clone, Copy)]
@@ -255,6 +288,54 @@ impl CorProfilerInfo {
         Ok(function)
     }
 
+    /// The IL-to-native map of the code body starting at `code_start`
+    /// (Info9's `GetILToNativeMapping3`: the right one for that tier).
+    pub fn get_il_to_native_mapping3(&self, code_start: usize) -> HResult<Vec<IlToNativeMap>> {
+        type F = unsafe extern "C" fn(*mut c_void, usize, u32, *mut u32, *mut IlToNativeMap) -> HRESULT;
+        self.il_to_native_map(|len, count, map| {
+            // SAFETY: GetILToNativeMapping3(UINT_PTR, ULONG32 cMap,
+            // ULONG32*, COR_DEBUG_IL_TO_NATIVE_MAP[]) with `len` entries.
+            unsafe {
+                let f: F = self.method(slot::GET_IL_TO_NATIVE_MAPPING3)?;
+                Ok(f(self.raw(), code_start, len, count, map))
+            }
+        })
+    }
+
+    /// The IL-to-native map of `function`'s default code body (Info1).
+    pub fn get_il_to_native_mapping(&self, function: FunctionID) -> HResult<Vec<IlToNativeMap>> {
+        type F = unsafe extern "C" fn(*mut c_void, FunctionID, u32, *mut u32, *mut IlToNativeMap) -> HRESULT;
+        self.il_to_native_map(|len, count, map| {
+            // SAFETY: GetILToNativeMapping(FunctionID, ULONG32 cMap,
+            // ULONG32*, COR_DEBUG_IL_TO_NATIVE_MAP[]) with `len` entries.
+            unsafe {
+                let f: F = self.method(slot::GET_IL_TO_NATIVE_MAPPING)?;
+                Ok(f(self.raw(), function, len, count, map))
+            }
+        })
+    }
+
+    /// Calls a `GetILToNativeMapping*` (given the array's length, the count
+    /// out-parameter and the array) until the array is big enough.
+    fn il_to_native_map(
+        &self,
+        mut call: impl FnMut(u32, *mut u32, *mut IlToNativeMap) -> HResult<HRESULT>,
+    ) -> HResult<Vec<IlToNativeMap>> {
+        let mut map = vec![IlToNativeMap::default(); 64];
+        loop {
+            let mut count = 0u32;
+            check(call(map.len() as u32, &mut count, map.as_mut_ptr())?)?;
+            if (count as usize) <= map.len() {
+                map.truncate(count as usize);
+                return Ok(map);
+            }
+            if count > 1 << 20 {
+                return Err(HResultError(hr::E_FAIL));
+            }
+            map.resize(count as usize, IlToNativeMap::default());
+        }
+    }
+
     /// Starts an in-process EventPipe session (Info12, .NET 5+) whose events
     /// arrive through `ICorProfilerCallback10::EventPipeEventDelivered`.
     /// `providers`: (name, keywords, level).
@@ -422,7 +503,7 @@ impl CorProfilerInfo {
 
         unsafe extern "C" fn trampoline(
             function: FunctionID,
-            _ip: usize,
+            ip: usize,
             _frame_info: usize,
             _context_size: u32,
             _context: *mut u8,
@@ -431,7 +512,7 @@ impl CorProfilerInfo {
             // SAFETY: `client_data` is the `&mut &mut SnapshotVisit` passed
             // below, alive for the whole DoStackSnapshot call.
             let visit = unsafe { &mut *(client_data as *mut &mut SnapshotVisit<'_>) };
-            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| visit(function))) {
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| visit(function, ip))) {
                 Ok(true) => hr::S_OK,
                 Ok(false) | Err(_) => hr::S_FALSE,
             }

@@ -223,7 +223,10 @@ impl EventWalker {
             }
             frames.push(key);
         }
-        fold_funclets(&mut frames, &funclets);
+        // Event stacks carry no IL offsets: the same frames go from a
+        // stand-in of the right length.
+        let mut no_offsets = vec![0; frames.len()];
+        fold_funclets(&mut frames, &mut no_offsets, &funclets);
         frames
     }
 

@@ -284,7 +284,7 @@ struct OwnStack {
 impl OwnStack {
     fn walk(info: &CorProfilerInfo) -> OwnStack {
         let mut stack = OwnStack { words: [0; KEY_HEAD + INLINE_FRAMES], len: 0, spill: Vec::new(), truncated: false };
-        info.do_stack_snapshot(0, &mut |function| {
+        info.do_stack_snapshot(0, &mut |function, _ip| {
             if stack.len >= MAX_EVENT_FRAMES {
                 stack.truncated = true;
                 return false;

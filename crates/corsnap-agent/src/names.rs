@@ -21,6 +21,11 @@ pub struct FunctionName {
     pub name: String,
     /// The module's file name (`app.dll`).
     pub module: String,
+    /// Where its source lines are found: the module, the path it was loaded
+    /// from (empty if from memory), and the method's `MethodDef` token.
+    pub module_id: ModuleID,
+    pub module_path: String,
+    pub method_token: MdToken,
 }
 
 /// A type's display name and how many generic parameters it (with its
@@ -79,7 +84,8 @@ impl NameResolver {
             // The module is going away: its metadata must not be touched.
             return Err(HResultError(hr::CORPROF_E_DATAINCOMPLETE));
         }
-        let module_name = self.module_name(module);
+        let module_path = self.module_path(module);
+        let module_name = module_path.rsplit('/').next().unwrap_or(&module_path).to_string();
         let metadata = self.info.get_module_metadata(module)?;
         let method = metadata.get_method_props(method_token)?;
         let method_generics = metadata.generic_param_names(method_token).unwrap_or_default();
@@ -91,7 +97,7 @@ impl NameResolver {
         }
         name.push_str(&method.name);
         push_generic_params(&mut name, &method_generics);
-        Ok(FunctionName { name, module: module_name })
+        Ok(FunctionName { name, module: module_name, module_id: module, module_path, method_token })
     }
 
     /// A class's display name (an exception's or a loaded class's type),
@@ -119,14 +125,13 @@ impl NameResolver {
         Ok(self.type_name(&metadata, module, token, 0)?.display)
     }
 
-    fn module_name(&mut self, module: ModuleID) -> String {
+    fn module_path(&mut self, module: ModuleID) -> String {
         if let Some(n) = self.modules.get(&module) {
             return n.clone();
         }
         let path = self.info.get_module_path(module).unwrap_or_default();
-        let file = path.rsplit('/').next().unwrap_or(&path).to_string();
-        self.modules.insert(module, file.clone());
-        file
+        self.modules.insert(module, path.clone());
+        path
     }
 
     fn type_name(

@@ -70,11 +70,14 @@ pub struct Channel {
 }
 
 impl Channel {
-    pub fn connect(path: &str) -> io::Result<Channel> {
+    /// `shared`: other processes connect to the same socket (`record
+    /// --subprocesses`), so it stays where it is.
+    pub fn connect(path: &str, shared: bool) -> io::Result<Channel> {
         let stream = UnixStream::connect(path)?;
-        // Only the user we run as may steer us.
+        // Only the user we run as may steer us, or root (`sudo corsnap
+        // record --pid`), who may do anything to this process anyway.
         let (_, peer_uid) = corsnap_abi::peer_credentials(&stream)?;
-        if peer_uid != corsnap_abi::current_uid() {
+        if peer_uid != corsnap_abi::current_uid() && peer_uid != 0 {
             return Err(io::Error::new(io::ErrorKind::PermissionDenied, format!("socket owned by uid {peer_uid}")));
         }
         stream.set_write_timeout(Some(Duration::from_secs(5)))?;
@@ -84,7 +87,7 @@ impl Channel {
         let path = std::path::Path::new(path);
         let in_corsnap_dir =
             path.parent().and_then(|d| d.file_name()).is_some_and(|n| n.to_string_lossy().starts_with("corsnap-"));
-        if in_corsnap_dir {
+        if in_corsnap_dir && !shared {
             let _ = std::fs::remove_file(path);
             if let Some(dir) = path.parent() {
                 let _ = std::fs::remove_dir(dir);
@@ -305,6 +308,8 @@ struct StackRecord {
 struct TickBuffers {
     threads: Vec<ThreadID>,
     frames: Vec<u64>,
+    /// Each frame's instruction pointer, beside it in `frames`.
+    ips: Vec<u64>,
     stacks: Vec<StackRecord>,
 }
 
@@ -313,6 +318,7 @@ impl TickBuffers {
         TickBuffers {
             threads: Vec::with_capacity(MAX_THREADS_PER_TICK),
             frames: Vec::with_capacity(if crate::faults::get().buffer { 8 } else { ARENA_FRAMES }),
+            ips: Vec::with_capacity(if crate::faults::get().buffer { 8 } else { ARENA_FRAMES }),
             stacks: Vec::with_capacity(MAX_THREADS_PER_TICK),
         }
     }
@@ -324,6 +330,10 @@ struct SamplerLoop {
     buffers: TickBuffers,
     names: NameResolver,
     sent_functions: HashSet<FunctionID>,
+    /// The path last sent for each module.
+    sent_modules: HashMap<corsnap_abi::ModuleID, String>,
+    il_offsets: crate::il_offsets::IlOffsets,
+    il_scratch: Vec<u32>,
     /// What the CLI was last told about each thread: (registry version, OS tid).
     sent_threads: HashMap<ThreadID, (u64, u32)>,
     stats: SamplerStats,
@@ -410,6 +420,9 @@ impl SamplerLoop {
             buffers: TickBuffers::new(),
             names,
             sent_functions: HashSet::new(),
+            sent_modules: HashMap::new(),
+            il_offsets: crate::il_offsets::IlOffsets::new(),
+            il_scratch: Vec::new(),
             sent_threads: HashMap::new(),
             stats: SamplerStats::default(),
             tick_times: TickTimes::new(),
@@ -558,7 +571,7 @@ impl SamplerLoop {
 
     fn queue_stats(&mut self) {
         self.tick_times.fill(&mut self.stats);
-        self.stats.cache_resets = self.own_cache_resets + self.names.cache_resets();
+        self.stats.cache_resets = self.own_cache_resets + self.names.cache_resets() + self.il_offsets.cache_resets;
         self.stats.events_dropped = self.shared.events.dropped.load(std::sync::atomic::Ordering::Relaxed);
         self.stats.sampler_cpu_ns = corsnap_abi::thread_cpu_time_ns(corsnap_abi::current_os_tid()).unwrap_or(0);
         if let Some(engine) = self.signal.as_mut() {
@@ -575,8 +588,8 @@ impl SamplerLoop {
     fn warm_up(&mut self) {
         let target = self.shared.info.enum_threads().ok().and_then(|t| t.first().copied());
         let status = match target {
-            Some(t) => self.shared.info.do_stack_snapshot(t, &mut |_| false),
-            None => self.shared.info.do_stack_snapshot(0, &mut |_| false),
+            Some(t) => self.shared.info.do_stack_snapshot(t, &mut |_, _| false),
+            None => self.shared.info.do_stack_snapshot(0, &mut |_, _| false),
         };
         log::write(format_args!("warm-up snapshot (nothing suspended): {}", hr::describe(status)));
     }
@@ -722,8 +735,9 @@ impl SamplerLoop {
         // with the busy threads, not with every thread the program has.
         let walk_idle = snapshot || self.shared.records(EventKind::Wall);
         let cpu_clock = &self.cpu_clock;
-        let TickBuffers { threads, frames, stacks } = &mut self.buffers;
+        let TickBuffers { threads, frames, ips, stacks } = &mut self.buffers;
         frames.clear();
+        ips.clear();
         stacks.clear();
         if info.enum_threads_into(threads).is_err() {
             return;
@@ -738,12 +752,16 @@ impl SamplerLoop {
                 continue;
             }
             let mut truncated = false;
-            let status = info.do_stack_snapshot(thread, &mut |function| {
-                if frames.len() - start >= MAX_FRAMES_PER_STACK || frames.len() == frames.capacity() {
+            let status = info.do_stack_snapshot(thread, &mut |function, ip| {
+                if frames.len() - start >= MAX_FRAMES_PER_STACK
+                    || frames.len() == frames.capacity()
+                    || ips.len() == ips.capacity()
+                {
                     truncated = true;
                     return false;
                 }
                 frames.push(function as u64);
+                ips.push(ip as u64);
                 true
             });
             stacks.push(StackRecord { thread, os_tid, start, end: frames.len(), truncated, status, cpu_ns });
@@ -799,7 +817,9 @@ impl SamplerLoop {
                 self.stats.truncated_stacks += 1;
             }
             self.stats.samples += 1;
+            self.suspend_il_offsets(record.start..record.end);
             let frames = &self.buffers.frames[record.start..record.end];
+            let il_offsets = &self.il_scratch[..];
             for (kind, weight) in [(EventKind::Cpu, cpu_weight), (EventKind::Wall, u64::from(wall))] {
                 if weight > 0 {
                     let head = SampleHead {
@@ -809,11 +829,30 @@ impl SamplerLoop {
                         weight,
                         truncated: record.truncated,
                     };
-                    corsnap_wire::encode_sample(&mut self.channel.pending, &head, "", frames);
+                    corsnap_wire::encode_sample(&mut self.channel.pending, &head, "", frames, il_offsets);
                 }
             }
         }
         self.buffers.stacks = stacks;
+    }
+
+    /// The IL offsets of a suspended walk's frames (`range` of the arena)
+    /// into `il_scratch`, left empty when none is known. The leaf frame's
+    /// instruction pointer is where its thread stands; the others' are
+    /// return addresses, looked up one byte back, in the call.
+    fn suspend_il_offsets(&mut self, range: std::ops::Range<usize>) {
+        self.il_scratch.clear();
+        let mut any = false;
+        for (i, at) in range.clone().enumerate() {
+            let (function, ip) = (self.buffers.frames[at], self.buffers.ips[at]);
+            let address = if i == 0 { ip } else { ip.saturating_sub(1) };
+            let offset = self.il_offsets.il_offset(&self.shared.info, function as FunctionID, None, address);
+            any |= offset != corsnap_wire::NO_IL_OFFSET;
+            self.il_scratch.push(offset);
+        }
+        if !any {
+            self.il_scratch.clear();
+        }
     }
 
     /// Tells the CLI the kernel's name for `tid` (`comm`), which labels the
@@ -906,7 +945,9 @@ impl SamplerLoop {
                 weight: s.weight,
                 truncated: s.truncated,
             };
-            corsnap_wire::encode_sample(&mut self.channel.pending, &head, "", &s.frames);
+            let known = s.il_offsets.iter().any(|&o| o != corsnap_wire::NO_IL_OFFSET);
+            let il_offsets = if known { &s.il_offsets[..] } else { &[] };
+            corsnap_wire::encode_sample(&mut self.channel.pending, &head, "", &s.frames, il_offsets);
         }
         self.stats.samples += samples.len() as u64;
         true
@@ -997,7 +1038,7 @@ impl SamplerLoop {
                 weight: event.weight,
                 truncated: event.truncated,
             };
-            corsnap_wire::encode_sample(&mut self.channel.pending, &head, &leaf, &event.frames);
+            corsnap_wire::encode_sample(&mut self.channel.pending, &head, &leaf, &event.frames, &[]);
         }
         for gc in gcs {
             self.channel.queue(&Message::Gc {
@@ -1074,17 +1115,37 @@ impl SamplerLoop {
         if function == 0 || !self.sent_functions.insert(function) {
             return;
         }
-        let (name, module) = match self.names.resolve(function) {
+        let (name, module, source) = match self.names.resolve(function) {
             Ok(n) => {
                 self.stats.names_resolved += 1;
-                (n.name, n.module)
+                (n.name, n.module, Some((n.module_id, n.module_path, n.method_token)))
             }
             Err(e) => {
                 self.stats.name_failures += 1;
-                (format!("[unresolved function 0x{function:x}: {e}]"), String::new())
+                (format!("[unresolved function 0x{function:x}: {e}]"), String::new(), None)
             }
         };
         self.channel.queue(&Message::Function { function_id: function as u64, name, module });
+        // Where its lines are: the CLI reads the module's PDB.
+        if let Some((module_id, path, method_token)) = source.filter(|s| s.0 != 0 && s.2 != 0) {
+            if self.sent_modules.get(&module_id) != Some(&path) {
+                if self.sent_modules.len() >= CACHE_CAP {
+                    self.sent_modules.clear();
+                    self.own_cache_resets += 1;
+                }
+                self.sent_modules.insert(module_id, path.clone());
+                let path = bundled_beside_host(path);
+                // The PDB the image names, read from where the runtime mapped it.
+                let base = self.shared.info.get_module_info(module_id).map_or(0, |(base, _)| base);
+                let pdb = crate::pdb_reference::pdb_reference(base);
+                self.channel.queue(&Message::Module { module_id: module_id as u64, path, pdb });
+            }
+            self.channel.queue(&Message::FunctionSource {
+                function_id: function as u64,
+                module_id: module_id as u64,
+                method_token,
+            });
+        }
     }
 
     /// Tells the CLI about threads it has not heard of, or whose identity
@@ -1140,6 +1201,19 @@ struct WalkVerification {
 const VERIFY_EVERY: Duration = Duration::from_millis(250);
 
 /// The kernel's name for one of our process's threads.
+/// A single-file bundle's assemblies are loaded by bare file name
+/// (`Sarif.dll`): the path they would have beside the bundle, where a PDB
+/// shipped with it lies.
+fn bundled_beside_host(path: String) -> String {
+    if path.is_empty() || path.starts_with('/') {
+        return path;
+    }
+    match std::fs::read_link("/proc/self/exe") {
+        Ok(host) => host.with_file_name(&path).to_string_lossy().into_owned(),
+        Err(_) => path,
+    }
+}
+
 fn os_thread_name(os_tid: u32) -> Option<String> {
     let comm = std::fs::read_to_string(format!("/proc/self/task/{os_tid}/comm")).ok()?;
     let comm = comm.trim_end_matches('\n');

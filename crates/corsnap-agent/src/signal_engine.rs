@@ -30,7 +30,7 @@ use corsnap_unwind::process::{native_module, parse_maps, stack_ranges, LoadedElf
 use corsnap_unwind::{
     flags, lookup_address, parse_hijack_stub, CodeMap, HijackStub, ManagedCode, NativeModule, HIJACK_STUB_START,
 };
-use corsnap_wire::{SamplerStats, NATIVE_FRAME_BIT};
+use corsnap_wire::{SamplerStats, NATIVE_FRAME_BIT, NO_IL_OFFSET};
 
 use crate::code_learning::{CodeLearner, Learned, STUB_TAG};
 use crate::log;
@@ -93,6 +93,9 @@ pub struct Sample {
     pub weight: u64,
     /// Leaf first: `FunctionID`s, or ids with [`NATIVE_FRAME_BIT`].
     pub frames: Vec<u64>,
+    /// One per frame: where in its method's IL a managed frame was
+    /// ([`crate::il_offsets`]), else [`corsnap_wire::NO_IL_OFFSET`].
+    pub il_offsets: Vec<u32>,
     pub truncated: bool,
 }
 
@@ -160,7 +163,9 @@ pub struct SignalEngine {
     /// Address (as looked up) to frame id.
     frame_ids: HashMap<u64, u64>,
     /// Raw stacks seen before, resolved.
-    stack_ids: HashMap<Vec<u64>, Vec<u64>>,
+    /// Raw stacks seen before, resolved: frame ids and IL offsets.
+    stack_ids: HashMap<Vec<u64>, (Vec<u64>, Vec<u32>)>,
+    il_offsets: crate::il_offsets::IlOffsets,
     /// Frame ids whose names the CLI has not been sent yet.
     pending_names: Vec<FrameName>,
     named: HashSet<u64>,
@@ -252,6 +257,7 @@ impl SignalEngine {
             symbols,
             frame_ids: HashMap::new(),
             stack_ids: HashMap::new(),
+            il_offsets: crate::il_offsets::IlOffsets::new(),
             pending_names: Vec::new(),
             named: HashSet::new(),
             not_managed: HashSet::new(),
@@ -610,6 +616,7 @@ impl SignalEngine {
             self.truncated += 1;
         }
         let mut frames = Vec::with_capacity(raw.len() + 1);
+        let mut il_offsets = Vec::with_capacity(raw.len() + 1);
         if self.debug_walks
             && (self.samples.is_multiple_of(50)
                 || walk_flags & (flags::UNKNOWN_CODE | flags::LOST | signal::REQUESTED) != 0)
@@ -676,8 +683,9 @@ impl SignalEngine {
             }
         }
         // Threads repeat their stacks: a stack seen before is one lookup.
-        if let Some(known) = self.stack_ids.get(raw) {
+        if let Some((known, offsets)) = self.stack_ids.get(raw) {
             frames.extend_from_slice(known);
+            il_offsets.extend_from_slice(offsets);
         } else {
             // The method a catch or finally block belongs to, at the index
             // its frame takes in `frames`.
@@ -695,16 +703,25 @@ impl SignalEngine {
                     funclets.push((frames.len(), key));
                 }
                 frames.push(key);
+                let managed = key & NATIVE_FRAME_BIT == 0;
+                il_offsets.push(if managed {
+                    let body = self.body_start(address);
+                    self.il_offsets.il_offset(&self.shared.info, key as FunctionID, body, address)
+                } else {
+                    NO_IL_OFFSET
+                });
             }
-            fold_funclets(&mut frames, &funclets);
+            fold_funclets(&mut frames, &mut il_offsets, &funclets);
             if self.stack_ids.len() >= STACK_CACHE_CAP {
                 self.stack_ids.clear();
                 self.resets += 1;
             }
-            self.stack_ids.insert(raw.to_vec(), frames.clone());
+            self.stack_ids.insert(raw.to_vec(), (frames.clone(), il_offsets.clone()));
         }
         if self.in_gc(tid, time_ns, &frames) {
-            self.mark_gc(&mut frames);
+            let above = self.mark_gc(&mut frames);
+            let native_above = frames.len() - (il_offsets.len() - above);
+            il_offsets.splice(..above, std::iter::repeat_n(NO_IL_OFFSET, native_above));
         }
         if walk_flags & flags::LOST != 0 {
             self.incomplete += 1;
@@ -714,12 +731,14 @@ impl SignalEngine {
                 module: String::new(),
             });
             frames.push(INCOMPLETE_KEY);
+            il_offsets.push(NO_IL_OFFSET);
         }
         Some(Sample {
             os_tid: tid,
             time_ns: time_ns.saturating_sub(self.mono_epoch_ns),
             weight: intervals,
             frames,
+            il_offsets,
             truncated,
         })
     }
@@ -816,8 +835,9 @@ impl SignalEngine {
 
     /// Puts `[garbage collection]` right above the sample's managed frames
     /// (at the root of a GC thread's), in place of the runtime's anonymous
-    /// frames above them; frames with names stay, above it.
-    fn mark_gc(&mut self, frames: &mut Vec<u64>) {
+    /// frames above them; frames with names stay, above it. Returns how many
+    /// (native) frames it replaced: those before the first managed one.
+    fn mark_gc(&mut self, frames: &mut Vec<u64>) -> usize {
         let managed = frames.iter().position(|&k| k & NATIVE_FRAME_BIT == 0);
         let above = managed.unwrap_or(frames.len());
         // A GC thread's own start (libc's `clone3`, `start_thread`) would
@@ -829,6 +849,16 @@ impl SignalEngine {
         marked.extend_from_slice(&frames[above..]);
         *frames = marked;
         self.note_name(FrameName::Native { key: GC_KEY, name: "[garbage collection]".into(), module: String::new() });
+        above
+    }
+
+    /// Where the JIT'd body holding `address` starts, when it is a learned
+    /// body (an image's code is one region for all its methods: `None`).
+    fn body_start(&self, address: u64) -> Option<u64> {
+        let in_map = self.map.managed_at(address).map(|r| (r.tag, r.code.start));
+        let (tag, start) = in_map
+            .or_else(|| self.managed.iter().rev().find(|m| m.code.contains(&address)).map(|m| (m.tag, m.code.start)))?;
+        (tag >= crate::code_learning::TAG_LIMIT).then_some(start)
     }
 
     /// Whether `address` is in a funclet (a catch, filter or finally block)
@@ -1085,7 +1115,8 @@ fn is_agent_thread(tid: u32) -> bool {
 /// frame, and that frame, go. A funclet whose method's frame is not found
 /// keeps its stack as it is. `funclets`: (index in `frames`, leaf first; the
 /// method's frame key), in order.
-pub(crate) fn fold_funclets(frames: &mut Vec<u64>, funclets: &[(usize, u64)]) {
+/// `il_offsets`, one per frame, lose the same frames.
+pub(crate) fn fold_funclets(frames: &mut Vec<u64>, il_offsets: &mut Vec<u32>, funclets: &[(usize, u64)]) {
     // From the root end, so earlier indices stay valid.
     for &(at, method) in funclets.iter().rev() {
         if at >= frames.len() || frames[at] != method {
@@ -1093,6 +1124,9 @@ pub(crate) fn fold_funclets(frames: &mut Vec<u64>, funclets: &[(usize, u64)]) {
         }
         if let Some(parent) = frames[at + 1..].iter().position(|&k| k == method) {
             frames.drain(at + 1..=at + 1 + parent);
+            if il_offsets.len() > at + 1 + parent {
+                il_offsets.drain(at + 1..=at + 1 + parent);
+            }
         }
     }
 }
@@ -1106,15 +1140,17 @@ mod funclet_tests {
         // Leaf first: catch block of Parse (10), the runtime's dispatch (1, 2),
         // the throw (20, 21), Parse's own frame (10), its caller (30).
         let mut frames = vec![10, 1, 2, 20, 21, 10, 30];
-        fold_funclets(&mut frames, &[(0, 10)]);
+        let mut offsets = vec![7, 0, 0, 1, 2, 3, 4];
+        fold_funclets(&mut frames, &mut offsets, &[(0, 10)]);
         assert_eq!(frames, [10, 30]);
+        assert_eq!(offsets, [7, 4], "the catch block's IL offset, its caller's");
         // Its method's frame not among them: left as it is.
         let mut frames = vec![10, 1, 2, 20];
-        fold_funclets(&mut frames, &[(0, 10)]);
+        fold_funclets(&mut frames, &mut Vec::new(), &[(0, 10)]);
         assert_eq!(frames, [10, 1, 2, 20]);
         // Nested: a finally inside a catch, each folded.
         let mut frames = vec![40, 1, 41, 40, 10, 2, 10, 30];
-        fold_funclets(&mut frames, &[(0, 40), (4, 10)]);
+        fold_funclets(&mut frames, &mut Vec::new(), &[(0, 40), (4, 10)]);
         assert_eq!(frames, [40, 10, 30]);
     }
 }

@@ -8,7 +8,7 @@ use corsnap_wire::{Message, SamplerStats, Severity};
 
 use crate::names::{is_roslyn_move_next, state_machine_from_callers, StateMachine};
 use crate::roots::{classify_native, fold_point, NativeRoot, Start};
-use crate::{EventKind, Frame, FrameIdx, FrameKind, GcRecord, Meta, Profile, Sample, Thread, ThreadIdx};
+use crate::{EventKind, Frame, FrameIdx, FrameKind, GcRecord, Meta, Profile, Sample, SourceLocator, Thread, ThreadIdx};
 
 /// Frame name for a run of unmanaged frames.
 pub const NATIVE_FRAME: &str = "[native code]";
@@ -41,8 +41,28 @@ pub enum RootFrames {
     Show,
 }
 
+/// What turns IL offsets into source lines, and what it was told.
+#[derive(Default)]
+struct Lines {
+    locator: Option<Box<dyn SourceLocator>>,
+    /// `ModuleID` to its assembly.
+    modules: HashMap<u64, crate::Assembly>,
+    /// `FunctionID` to its module and `MethodDef` token.
+    sources: HashMap<u64, (u64, u32)>,
+    /// (`FunctionID`, IL offset) to its frame at that line (the method's
+    /// frame when the line is not known).
+    frames: HashMap<(u64, u32), FrameIdx>,
+}
+
+impl std::fmt::Debug for Lines {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Lines({} modules, {} frames)", self.modules.len(), self.frames.len())
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct ProfileBuilder {
+    lines: Lines,
     native_frames: NativeFrames,
     root_frames: RootFrames,
     /// What each named native frame says about a stack's start.
@@ -85,6 +105,13 @@ impl ProfileBuilder {
 
     pub fn set_root_frames(&mut self, mode: RootFrames) {
         self.root_frames = mode;
+    }
+
+    /// Splits managed frames by source line, found by `locator` from the
+    /// IL offsets the agent sent: a method is then one frame per line,
+    /// each with its [`Frame::source`]. Without it, IL offsets are ignored.
+    pub fn set_source_locator(&mut self, locator: Box<dyn SourceLocator>) {
+        self.lines.locator = Some(locator);
     }
 
     /// Applies one message. Messages that do not shape the profile (notices,
@@ -134,8 +161,15 @@ impl ProfileBuilder {
                 };
                 self.functions.insert(*function_id, idx);
             }
-            Message::Sample { time_ns, thread_id, kind, weight, truncated, leaf, frames } => {
-                self.add_event_sample(*kind, *time_ns, *thread_id, *truncated, leaf, frames, *weight);
+            Message::Module { module_id, path, pdb } => {
+                self.lines.modules.insert(*module_id, crate::Assembly { path: path.clone(), pdb: pdb.clone() });
+            }
+            Message::FunctionSource { function_id, module_id, method_token } => {
+                self.lines.sources.insert(*function_id, (*module_id, *method_token));
+            }
+            Message::Sample { time_ns, thread_id, kind, weight, truncated, leaf, frames, il_offsets } => {
+                let head = (*kind, *time_ns, *thread_id, *truncated, *weight);
+                self.add_sample_with_offsets(head, leaf, frames, il_offsets);
             }
             Message::Gc { time_ns, generation, reason, pause_ns } => self.profile.gcs.push(GcRecord {
                 time_ns: *time_ns,
@@ -146,7 +180,8 @@ impl ProfileBuilder {
             Message::Stats(stats) => self.profile.meta.stats = Some(*stats),
             Message::Notice { severity, text } => self.notices.push((*severity, text.clone())),
             Message::Goodbye { reason } => self.goodbye = Some(reason.clone()),
-            Message::SnapshotEnd => {}
+            // Routed by `ProcessProfiles`, never reaches a single builder's profile.
+            Message::SnapshotEnd | Message::Process { .. } => {}
         }
     }
 
@@ -167,6 +202,19 @@ impl ProfileBuilder {
         frames: &[u64],
         weight: u64,
     ) {
+        self.add_sample_with_offsets((kind, time_ns, thread_id, truncated, weight), leaf, frames, &[]);
+    }
+
+    /// A sample whose frames may come with IL offsets (empty, or one per
+    /// frame).
+    fn add_sample_with_offsets(
+        &mut self,
+        (kind, time_ns, thread_id, truncated, weight): (EventKind, u64, u64, bool, u64),
+        leaf: &str,
+        frames: &[u64],
+        il_offsets: &[u32],
+    ) {
+        let il_offsets = if il_offsets.len() == frames.len() { il_offsets } else { &[] };
         let mut stack = std::mem::take(&mut self.scratch);
         stack.clear();
         if !leaf.is_empty() {
@@ -192,6 +240,8 @@ impl ProfileBuilder {
             }
             _ => None,
         };
+        // Where `kept` starts in `frames` (and `il_offsets`).
+        let first_kept = dispatch.map_or(0, |at| at + 1);
         let kept = match dispatch {
             Some(at) => {
                 let idx = match self.exception_dispatch_frame {
@@ -207,11 +257,16 @@ impl ProfileBuilder {
             }
             None => kept,
         };
-        for &function_id in kept {
+        for (i, &function_id) in kept.iter().enumerate() {
             let idx = match function_id {
                 0 => self.marker_frame(NATIVE_FRAME, FrameKind::Native),
                 id => match self.functions.get(&id) {
-                    Some(&idx) => idx,
+                    Some(&idx) => match il_offsets.get(first_kept + i) {
+                        Some(&il) if il != corsnap_wire::NO_IL_OFFSET && self.lines.locator.is_some() => {
+                            self.frame_at_line(id, idx, il)
+                        }
+                        _ => idx,
+                    },
                     None => self.synthetic_frame(format!("[unknown function 0x{id:x}]"), FrameKind::Unresolved),
                 },
             };
@@ -239,6 +294,33 @@ impl ProfileBuilder {
         let stack_idx = self.profile.intern_stack(&stack);
         self.scratch = stack;
         self.profile.samples.push(Sample { time_ns, thread, stack: stack_idx, weight, kind });
+    }
+
+    /// The frame of function `id` (whose frame is `method`) at IL offset
+    /// `il`: the method's frame with the line the PDB gives, or the method's
+    /// frame as it is when there is none.
+    fn frame_at_line(&mut self, id: u64, method: FrameIdx, il: u32) -> FrameIdx {
+        if let Some(&idx) = self.lines.frames.get(&(id, il)) {
+            return idx;
+        }
+        let lines = &mut self.lines;
+        let source = match (lines.sources.get(&id), lines.locator.as_mut()) {
+            (Some(&(module, token)), Some(locator)) => match lines.modules.get(&module) {
+                Some(assembly) if !assembly.path.is_empty() => locator.locate(assembly, token, il),
+                _ => None,
+            },
+            _ => None,
+        };
+        let idx = match source {
+            Some(source) => {
+                let mut frame = self.profile.frames[method as usize].clone();
+                frame.source = Some(source);
+                self.profile.intern_frame(frame)
+            }
+            None => method,
+        };
+        self.lines.frames.insert((id, il), idx);
+        idx
     }
 
     /// Gives each Roslyn state machine's `MoveNext` in `stack` (leaf first)
@@ -365,7 +447,16 @@ mod tests {
     use super::*;
 
     fn cpu_sample(time_ns: u64, thread_id: u64, truncated: bool, frames: Vec<u64>) -> Message {
-        Message::Sample { time_ns, thread_id, kind: EventKind::Cpu, weight: 1, truncated, leaf: String::new(), frames }
+        Message::Sample {
+            time_ns,
+            thread_id,
+            kind: EventKind::Cpu,
+            weight: 1,
+            truncated,
+            leaf: String::new(),
+            frames,
+            il_offsets: Vec::new(),
+        }
     }
 
     #[test]
@@ -385,6 +476,64 @@ mod tests {
         assert_eq!(p.threads[p.samples[0].thread as usize].label(), "worker tid=77");
         let names: Vec<_> = p.stack_names_root_first(p.samples[2].stack).collect();
         assert_eq!(names, [TRUNCATED_FRAME, "[unknown function 0x3]"]);
+    }
+
+    /// Lines of `app.dll`'s method 0x06000001: IL offset / 0x10 + 40.
+    struct FakePdb;
+
+    impl crate::SourceLocator for FakePdb {
+        fn locate(&mut self, assembly: &crate::Assembly, token: u32, il: u32) -> Option<crate::SourceLine> {
+            (assembly.path == "/app/app.dll" && token == 0x0600_0001 && il < 0x100)
+                .then(|| crate::SourceLine { file: "/src/App.cs".into(), line: il / 0x10 + 40 })
+        }
+    }
+
+    #[test]
+    fn with_a_locator_a_method_is_one_frame_per_line() {
+        let run = |locator: bool| {
+            let mut b = ProfileBuilder::new();
+            if locator {
+                b.set_source_locator(Box::new(FakePdb));
+            }
+            b.apply(&Message::Module { module_id: 9, path: "/app/app.dll".into(), pdb: None });
+            b.apply(&function(1, "App.Spin", "app.dll"));
+            b.apply(&Message::FunctionSource { function_id: 1, module_id: 9, method_token: 0x0600_0001 });
+            b.apply(&function(2, "App.Main", "app.dll"));
+            let no = corsnap_wire::NO_IL_OFFSET;
+            for (time_ns, offsets) in
+                [(1, vec![0x12, 0x30]), (2, vec![0x24, 0x30]), (3, vec![no, 0x30]), (4, vec![0x200, 0])]
+            {
+                b.apply(&Message::Sample {
+                    time_ns,
+                    thread_id: 1,
+                    kind: EventKind::Cpu,
+                    weight: 1,
+                    truncated: false,
+                    leaf: String::new(),
+                    frames: vec![1, 2],
+                    il_offsets: offsets,
+                });
+            }
+            let p = b.finish();
+            let leaves: Vec<Option<u32>> = p
+                .samples
+                .iter()
+                .map(|s| p.frames[p.stacks[s.stack as usize][0] as usize].source.as_ref().map(|l| l.line))
+                .collect();
+            (leaves, p)
+        };
+        // Lines 41 and 42; an unknown offset, and one the PDB has no line
+        // for, keep the method's own frame; Main has no FunctionSource.
+        let (leaves, p) = run(true);
+        assert_eq!(leaves, [Some(41), Some(42), None, None]);
+        let names: Vec<_> = p.samples.iter().map(|s| p.stacks[s.stack as usize][0]).collect();
+        assert_eq!(names[2], names[3], "the method's frame, whatever the offset");
+        assert_eq!(p.frames[names[0] as usize].source.as_ref().unwrap().file, "/src/App.cs");
+        assert!(p.frames.iter().filter(|f| f.name == "App.Main").all(|f| f.source.is_none()));
+        // Without a locator the offsets change nothing.
+        let (leaves, p) = run(false);
+        assert_eq!(leaves, [None, None, None, None]);
+        assert_eq!(p.stacks.len(), 1);
     }
 
     fn function(function_id: u64, name: &str, module: &str) -> Message {

@@ -7,6 +7,7 @@
 mod builder;
 pub mod limits;
 pub mod names;
+pub mod processes;
 pub mod roots;
 pub mod writers;
 
@@ -43,6 +44,9 @@ pub enum FrameKind {
     /// What an event was about, above the stack: an exception's or
     /// allocation's type, a loaded class, a collection.
     Subject,
+    /// The process a stack came from, at the root of every stack of a
+    /// recording of several (`record --subprocesses`): `process 1234:"app"`.
+    Process,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -57,11 +61,48 @@ pub struct Frame {
     /// What the stack showed a Roslyn state machine's `MoveNext` to be
     /// (the same method can be interned once per answer).
     pub state_machine: Option<StateMachine>,
+    /// The source line the sampled code was compiled from, when the
+    /// assembly's PDB says (a method is interned once per line).
+    pub source: Option<SourceLine>,
+}
+
+/// A position in a source file, from a portable PDB's sequence points.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct SourceLine {
+    /// The document's path as the compiler recorded it.
+    pub file: String,
+    pub line: u32,
+}
+
+/// Finds the source line of an IL offset of a method, through the PDB of the
+/// assembly it is in. The command line implements it (reading PDBs is no
+/// business of the profile model, nor of the profiled process).
+pub trait SourceLocator {
+    /// The line `il_offset` of the method with `MethodDef` token
+    /// `method_token`, in `assembly`, was compiled from; `None` when the
+    /// assembly has no matching PDB or the PDB no line for it.
+    fn locate(&mut self, assembly: &Assembly, method_token: u32, il_offset: u32) -> Option<SourceLine>;
+}
+
+/// A loaded assembly, as the agent described it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assembly {
+    /// The path it was loaded from.
+    pub path: String,
+    /// The PDB its loaded image names.
+    pub pdb: Option<corsnap_wire::PdbReference>,
 }
 
 impl Frame {
     pub fn new(name: impl Into<String>, module: impl Into<String>, kind: FrameKind) -> Frame {
-        Frame { name: name.into(), module: module.into(), kind, state_machine: None }
+        Frame { name: name.into(), module: module.into(), kind, state_machine: None, source: None }
+    }
+
+    /// `name (File.cs:42)`: a frame's name with its line, the source file
+    /// shown by its file name alone (py-spy's notation).
+    pub fn name_with_line(name: &str, source: &SourceLine) -> String {
+        let file = source.file.rsplit(['/', '\\']).next().unwrap_or(&source.file);
+        format!("{name} ({file}:{})", source.line)
     }
 
     /// The name a person reads: a managed method the compiler generated as
@@ -262,6 +303,40 @@ impl Profile {
         match self.os_thread_names.get(&thread.os_tid) {
             Some(kernel) if thread.name.is_empty() && !kernel.is_empty() => format!("{kernel} tid={}", thread.os_tid),
             _ => thread.label(),
+        }
+    }
+
+    /// Adds `other`'s samples (and the threads, frames and collections they
+    /// use) to this profile, each stack under `root` when given.
+    pub fn absorb(&mut self, other: &Profile, root: Option<Frame>) {
+        let root = root.map(|f| self.intern_frame(f));
+        let mut frames: HashMap<FrameIdx, FrameIdx> = HashMap::new();
+        let mut stacks: HashMap<StackIdx, StackIdx> = HashMap::new();
+        let mut threads: HashMap<ThreadIdx, ThreadIdx> = HashMap::new();
+        for sample in &other.samples {
+            let stack = match stacks.get(&sample.stack) {
+                Some(&s) => s,
+                None => {
+                    let mut mapped: Vec<FrameIdx> = other.stacks[sample.stack as usize]
+                        .iter()
+                        .map(|&f| {
+                            *frames.entry(f).or_insert_with(|| self.intern_frame(other.frames[f as usize].clone()))
+                        })
+                        .collect();
+                    mapped.extend(root);
+                    let s = self.intern_stack(&mapped);
+                    stacks.insert(sample.stack, s);
+                    s
+                }
+            };
+            let thread = *threads
+                .entry(sample.thread)
+                .or_insert_with(|| self.intern_thread(other.threads[sample.thread as usize].clone()));
+            self.samples.push(Sample { stack, thread, ..*sample });
+        }
+        self.gcs.extend_from_slice(&other.gcs);
+        for (tid, name) in &other.os_thread_names {
+            self.os_thread_names.entry(*tid).or_insert_with(|| name.clone());
         }
     }
 

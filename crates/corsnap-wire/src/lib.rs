@@ -13,7 +13,7 @@ use std::fmt;
 use std::io::{self, Read, Write};
 
 /// Bumped whenever a message changes shape; the CLI refuses other versions.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// No legitimate frame comes near this: a 8192-frame stack is 64 KiB.
 pub const MAX_FRAME_LEN: u32 = 4 * 1024 * 1024;
@@ -25,6 +25,14 @@ pub const RAW_VERSION: u32 = 1;
 
 /// The environment variable that tells a launched agent where the CLI listens.
 pub const ENV_SOCKET: &str = "CORSNAP_SOCKET";
+/// The pid of the corsnap that launched the program. An agent loaded at
+/// start-up by a process that is not that corsnap's child (a process the
+/// program started, inheriting the environment) stays out, unless
+/// [`ENV_SUBPROCESSES`] is `1`.
+pub const ENV_CLI_PID: &str = "CORSNAP_CLI_PID";
+/// `1`: the program's own .NET child processes are recorded too (`record
+/// --subprocesses`); they connect to the same socket, which stays in place.
+pub const ENV_SUBPROCESSES: &str = "CORSNAP_SUBPROCESSES";
 /// Sampling rate for a launched agent, in Hz.
 pub const ENV_RATE: &str = "CORSNAP_RATE_HZ";
 /// Most of the program's wall time, in parts per million, that slow ticks
@@ -216,9 +224,24 @@ pub enum Message {
     OsThreadName { os_tid: u32, name: String },
     /// A `FunctionID` resolved to its readable name, sent once per id.
     Function { function_id: u64, name: String, module: String },
+    /// Where a managed function's source can be found: its module (named
+    /// by a [`Message::Module`] sent before) and its `MethodDef` token, the
+    /// key of its sequence points in the assembly's portable PDB. Sent once
+    /// per function, after its `Function`, when the runtime tells both.
+    FunctionSource { function_id: u64, module_id: u64, method_token: u32 },
+    /// A loaded module (assembly) by the runtime's `ModuleID`, the file it
+    /// was loaded from (empty for a module loaded from memory; in a
+    /// single-file bundle, a path beside the bundle where no file is), and
+    /// the PDB its image names, read from the loaded image (so a bundled
+    /// assembly, or one rebuilt since, is still checked against the PDB it
+    /// was built with). Sent once per module.
+    Module { module_id: u64, path: String, pdb: Option<PdbReference> },
     /// One stack of one thread, leaf first; a `0` frame is a run of unmanaged
     /// frames. `leaf`, when not empty, is a frame above the stack (the thrown
-    /// exception's or allocated object's type).
+    /// exception's or allocated object's type). `il_offsets` is empty, or
+    /// has one entry per frame: the IL offset the managed frame's native
+    /// address maps to, [`NO_IL_OFFSET`] where none is known (native frames,
+    /// prologs, code without a mapping).
     Sample {
         time_ns: u64,
         thread_id: u64,
@@ -227,6 +250,7 @@ pub enum Message {
         truncated: bool,
         leaf: String,
         frames: Vec<u64>,
+        il_offsets: Vec<u32>,
     },
     /// The agent's running totals.
     Stats(SamplerStats),
@@ -241,6 +265,23 @@ pub enum Message {
     /// One garbage collection: the deepest generation collected, the
     /// runtime's `COR_PRF_GC_REASON`, and how long it took.
     Gc { time_ns: u64, generation: u32, reason: u32, pause_ns: u64 },
+    /// CLI-side, in a raw recording of several processes (`record
+    /// --subprocesses`): the messages that follow, up to the next `Process`,
+    /// came from this process. The first names the program corsnap started.
+    Process { pid: u32, name: String },
+}
+
+/// The PDB an assembly was built with, from its CodeView debug directory
+/// entry: a portable PDB whose id (its `#Pdb` stream) is `guid` and `stamp`
+/// belongs to it, and no other.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PdbReference {
+    /// The GUID's 16 bytes as stored.
+    pub guid: [u8; 16],
+    /// The debug directory entry's time stamp (the id's last 4 bytes).
+    pub stamp: u32,
+    /// The PDB's path as the compiler wrote it.
+    pub path: String,
 }
 
 /// What a sample records; each kind becomes its own profile.
@@ -342,7 +383,15 @@ mod tag {
     pub const SNAPSHOT_END: u8 = 9;
     pub const GC: u8 = 10;
     pub const OS_THREAD_NAME: u8 = 11;
+    pub const PROCESS: u8 = 12;
+    /// A sample with an IL offset per frame (protocol 4).
+    pub const SAMPLE_IL: u8 = 13;
+    pub const FUNCTION_SOURCE: u8 = 14;
+    pub const MODULE: u8 = 15;
 }
+
+/// A frame's IL offset when none is known.
+pub const NO_IL_OFFSET: u32 = u32::MAX;
 
 /// Why bytes could not be turned into a message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -455,7 +504,26 @@ impl Message {
                 w.str(name);
                 w.str(module);
             }
-            Message::Sample { time_ns, thread_id, kind, weight, truncated, leaf, frames } => {
+            Message::FunctionSource { function_id, module_id, method_token } => {
+                w.u8(tag::FUNCTION_SOURCE);
+                w.u64(*function_id);
+                w.u64(*module_id);
+                w.u32(*method_token);
+            }
+            Message::Module { module_id, path, pdb } => {
+                w.u8(tag::MODULE);
+                w.u64(*module_id);
+                w.str(path);
+                if let Some(pdb) = pdb {
+                    w.u8(1);
+                    w.out().extend_from_slice(&pdb.guid);
+                    w.u32(pdb.stamp);
+                    w.str(&pdb.path);
+                } else {
+                    w.u8(0);
+                }
+            }
+            Message::Sample { time_ns, thread_id, kind, weight, truncated, leaf, frames, il_offsets } => {
                 let head = SampleHead {
                     time_ns: *time_ns,
                     thread_id: *thread_id,
@@ -463,7 +531,7 @@ impl Message {
                     weight: *weight,
                     truncated: *truncated,
                 };
-                encode_sample_fields(&mut w, &head, leaf, frames);
+                encode_sample_fields(&mut w, &head, leaf, frames, il_offsets);
             }
             Message::Stats(s) => {
                 w.u8(tag::STATS);
@@ -493,6 +561,11 @@ impl Message {
                 w.u32(*reason);
                 w.u64(*pause_ns);
             }
+            Message::Process { pid, name } => {
+                w.u8(tag::PROCESS);
+                w.u32(*pid);
+                w.str(name);
+            }
         }
         finish_frame(buf, start);
     }
@@ -512,7 +585,23 @@ impl Message {
             tag::THREAD => Message::Thread { thread_id: r.u64()?, os_tid: r.u32()?, name: r.string()? },
             tag::FUNCTION => Message::Function { function_id: r.u64()?, name: r.string()?, module: r.string()? },
             tag::OS_THREAD_NAME => Message::OsThreadName { os_tid: r.u32()?, name: r.string()? },
-            tag::SAMPLE => {
+            tag::FUNCTION_SOURCE => {
+                Message::FunctionSource { function_id: r.u64()?, module_id: r.u64()?, method_token: r.u32()? }
+            }
+            tag::MODULE => {
+                let module_id = r.u64()?;
+                let path = r.string()?;
+                let pdb = match r.bool()? {
+                    true => {
+                        let mut guid = [0u8; 16];
+                        guid.copy_from_slice(r.take(16)?);
+                        Some(PdbReference { guid, stamp: r.u32()?, path: r.string()? })
+                    }
+                    false => None,
+                };
+                Message::Module { module_id, path, pdb }
+            }
+            sample_tag @ (tag::SAMPLE | tag::SAMPLE_IL) => {
                 let time_ns = r.u64()?;
                 let thread_id = r.u64()?;
                 let kind = EventKind::from_u8(r.u8()?).ok_or(DecodeError::BadValue("event kind"))?;
@@ -527,7 +616,17 @@ impl Message {
                 for _ in 0..count {
                     frames.push(r.u64()?);
                 }
-                Message::Sample { time_ns, thread_id, kind, weight, truncated, leaf, frames }
+                let mut il_offsets = Vec::new();
+                if sample_tag == tag::SAMPLE_IL {
+                    if count > r.rest.len() / 4 {
+                        return Err(DecodeError::Truncated);
+                    }
+                    il_offsets.reserve_exact(count);
+                    for _ in 0..count {
+                        il_offsets.push(r.u32()?);
+                    }
+                }
+                Message::Sample { time_ns, thread_id, kind, weight, truncated, leaf, frames, il_offsets }
             }
             tag::STATS => {
                 // Older agents and recordings send fewer fields; the missing
@@ -553,6 +652,7 @@ impl Message {
             }
             tag::GOODBYE => Message::Goodbye { reason: r.string()? },
             tag::RECORDING => Message::Recording { command: r.string()?, start_unix_ms: r.u64()? },
+            tag::PROCESS => Message::Process { pid: r.u32()?, name: r.string()? },
             tag::SNAPSHOT_END => Message::SnapshotEnd,
             tag::GC => Message::Gc { time_ns: r.u64()?, generation: r.u32()?, reason: r.u32()?, pause_ns: r.u64()? },
             other => return Err(DecodeError::UnknownTag(other)),
@@ -575,17 +675,20 @@ pub struct SampleHead {
 }
 
 /// Encodes a sample straight from borrowed parts, so the sampler never
-/// builds a `Message` (and a `Vec`) per stack.
-pub fn encode_sample(buf: &mut Vec<u8>, head: &SampleHead, leaf: &str, frames: &[u64]) {
+/// builds a `Message` (and a `Vec`) per stack. `il_offsets` is empty, or
+/// one per frame (see [`Message::Sample`]).
+pub fn encode_sample(buf: &mut Vec<u8>, head: &SampleHead, leaf: &str, frames: &[u64], il_offsets: &[u32]) {
     let start = buf.len();
     buf.extend_from_slice(&[0; 4]);
     let mut w = Writer::new(buf);
-    encode_sample_fields(&mut w, head, leaf, frames);
+    encode_sample_fields(&mut w, head, leaf, frames, il_offsets);
     finish_frame(buf, start);
 }
 
-fn encode_sample_fields(w: &mut Writer<'_>, head: &SampleHead, leaf: &str, frames: &[u64]) {
-    w.u8(tag::SAMPLE);
+fn encode_sample_fields(w: &mut Writer<'_>, head: &SampleHead, leaf: &str, frames: &[u64], il_offsets: &[u32]) {
+    // Without offsets the sample keeps protocol 2's form.
+    let with_offsets = !il_offsets.is_empty() && il_offsets.len() == frames.len();
+    w.u8(if with_offsets { tag::SAMPLE_IL } else { tag::SAMPLE });
     w.u64(head.time_ns);
     w.u64(head.thread_id);
     w.u8(head.kind as u8);
@@ -595,6 +698,11 @@ fn encode_sample_fields(w: &mut Writer<'_>, head: &SampleHead, leaf: &str, frame
     w.u32(frames.len() as u32);
     for f in frames {
         w.u64(*f);
+    }
+    if with_offsets {
+        for o in il_offsets {
+            w.u32(*o);
+        }
     }
 }
 
@@ -975,11 +1083,30 @@ mod tests {
                 truncated: true,
                 leaf: "System.InvalidOperationException".into(),
                 frames: vec![7, 0, 8],
+                il_offsets: Vec::new(),
+            },
+            Message::Sample {
+                time_ns: 100,
+                thread_id: 1,
+                kind: EventKind::Cpu,
+                weight: 3,
+                truncated: false,
+                leaf: String::new(),
+                frames: vec![7, NATIVE_FRAME_BIT | 5, 8],
+                il_offsets: vec![0x1c, NO_IL_OFFSET, 0],
+            },
+            Message::FunctionSource { function_id: 7, module_id: 0x7f00_1234, method_token: 0x0600_0002 },
+            Message::Module { module_id: 0x7f00_1234, path: "/app/app.dll".into(), pdb: None },
+            Message::Module {
+                module_id: 0x7f00_1240,
+                path: "/app/lib.dll".into(),
+                pdb: Some(PdbReference { guid: [7; 16], stamp: 0xfeed_beef, path: "/src/obj/lib.pdb".into() }),
             },
             Message::Stats(SamplerStats { ticks: 3, max_tick_ns: 9, ..Default::default() }),
             Message::Notice { severity: Severity::Warning, text: "héllo".into() },
             Message::Goodbye { reason: "shutdown".into() },
             Message::Recording { command: "dotnet app.dll".into(), start_unix_ms: 5 },
+            Message::Process { pid: 4242, name: "child".into() },
             Message::SnapshotEnd,
             Message::Gc { time_ns: 3, generation: 2, reason: 1, pause_ns: 12345 },
         ]
@@ -1022,7 +1149,7 @@ mod tests {
     fn encode_sample_matches_message_encoding() {
         let mut a = Vec::new();
         let head = SampleHead { time_ns: 1, thread_id: 2, kind: EventKind::Cpu, weight: 5, truncated: false };
-        encode_sample(&mut a, &head, "", &[3, 4]);
+        encode_sample(&mut a, &head, "", &[3, 4], &[]);
         let mut b = Vec::new();
         Message::Sample {
             time_ns: 1,
@@ -1032,9 +1159,24 @@ mod tests {
             truncated: false,
             leaf: String::new(),
             frames: vec![3, 4],
+            il_offsets: Vec::new(),
         }
         .encode_into(&mut b);
         assert_eq!(a, b);
+        let (mut c, mut d) = (Vec::new(), Vec::new());
+        encode_sample(&mut c, &head, "", &[3, 4], &[9, NO_IL_OFFSET]);
+        Message::Sample {
+            time_ns: 1,
+            thread_id: 2,
+            kind: EventKind::Cpu,
+            weight: 5,
+            truncated: false,
+            leaf: String::new(),
+            frames: vec![3, 4],
+            il_offsets: vec![9, NO_IL_OFFSET],
+        }
+        .encode_into(&mut d);
+        assert_eq!(c, d);
     }
 
     #[test]

@@ -22,7 +22,7 @@ pub struct DumpOptions {
 pub fn run(options: &DumpOptions) -> Result<()> {
     let agent = crate::record::find_agent(options.agent_path.as_deref())?;
     crate::diagnostics::find_socket(options.pid)?;
-    let listener = Listener::new()?;
+    let listener = Listener::for_process(options.pid)?;
     let request = AttachRequest {
         sampler: corsnap_wire::SamplerKind::Suspend,
         timers: false,

@@ -3,7 +3,8 @@
 //! whose response decoder reads bytes another process sends and is
 //! therefore fuzzed (`fuzz/fuzz_targets/diagnostics_response.rs`) and
 //! replayed by `tests/fuzz_corpus.rs`, and the check for native AOT
-//! programs, which the diagnostics client and `record` share. The binary
+//! programs, which the diagnostics client and `record` share, and the
+//! portable PDB reader behind `--lines` (its tests reach it from outside). The binary
 //! (`src/main.rs`) uses this library for them; everything else of the
 //! binary stays in the binary.
 
@@ -11,3 +12,4 @@
 
 pub mod diagnostics;
 pub mod native_aot;
+pub mod source_lines;

@@ -498,6 +498,16 @@ pub fn path_for_kind(path: &Path, kind: EventKind) -> PathBuf {
     path.with_file_name(new_name)
 }
 
+/// Whether a recording in `format` reads PDBs: with `--lines`, and for
+/// pprof, whose locations carry lines either way. A raw recording keeps
+/// the IL offsets and reads none (`report` does).
+pub fn reads_pdbs(lines: bool, format: OutputFormat) -> bool {
+    match format {
+        OutputFormat::Raw => false,
+        OutputFormat::Rendered(f) => lines || f == Format::Pprof,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

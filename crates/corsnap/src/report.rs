@@ -6,6 +6,7 @@ use std::io::BufReader;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use corsnap_profile::processes::ProcessProfiles;
 use corsnap_profile::ProfileBuilder;
 use corsnap_wire::{read_message, read_raw_header};
 
@@ -22,6 +23,8 @@ pub struct ReportOptions {
     pub native: corsnap_profile::NativeFrames,
     pub roots: corsnap_profile::RootFrames,
     pub raw_names: bool,
+    /// Frames split by source line, named `Method (File.cs:42)`.
+    pub lines: bool,
 }
 
 pub fn run(options: &ReportOptions) -> Result<()> {
@@ -60,6 +63,12 @@ pub fn run(options: &ReportOptions) -> Result<()> {
     let mut builder = ProfileBuilder::new();
     builder.set_native_frames(options.native);
     builder.set_root_frames(options.roots);
+    // A recording of several processes (`record --subprocesses`) names each
+    // before its messages; each goes to a builder of its own.
+    let mut builder = ProcessProfiles::new(builder, options.native, options.roots);
+    if crate::output::reads_pdbs(options.lines, OutputFormat::Rendered(format)) {
+        builder.set_source_locators(corsnap::source_lines::PdbLocator::boxed);
+    }
     let mut scratch = Vec::new();
     loop {
         match read_message(&mut input, &mut scratch) {
@@ -87,6 +96,7 @@ pub fn run(options: &ReportOptions) -> Result<()> {
         title: options.title.clone(),
         inverted: options.inverted,
         raw_names: options.raw_names,
+        lines: options.lines,
     };
     outputs.write(&profile, &write_options, &[])?;
     eprintln!("corsnap: wrote {} ({samples} samples)", paths.join(", "));

@@ -1,5 +1,6 @@
 //! The CLI's end of the agent connection: a Unix socket in a private
-//! directory, accepting only the expected process of the same user, and a
+//! directory, accepting only the expected process (of our user, or, for
+//! root, of the target's user), and a
 //! reader thread that turns the byte stream into messages.
 
 use std::collections::VecDeque;
@@ -23,6 +24,11 @@ pub struct Listener {
     dir: tempfile::TempDir,
     path: PathBuf,
     listener: UnixListener,
+    /// The user whose process is to connect.
+    peer_uid: u32,
+    /// The program's child processes connect too (`record --subprocesses`):
+    /// the socket stays until corsnap ends.
+    shared: bool,
 }
 
 /// What the reader thread reports. Messages dominate, and most are small
@@ -52,20 +58,67 @@ pub struct AgentConnection {
 const DIR_PREFIX: &str = "corsnap-";
 
 impl Listener {
+    /// A socket for a process of our own user (a program corsnap starts).
     pub fn new() -> Result<Listener> {
+        Listener::for_user(corsnap_abi::current_uid())
+    }
+
+    /// A socket for process `pid`, which may belong to another user when
+    /// corsnap runs as root (`sudo corsnap record --pid`).
+    pub fn for_process(pid: u32) -> Result<Listener> {
+        use std::os::unix::fs::MetadataExt;
+        let owner =
+            std::fs::metadata(format!("/proc/{pid}")).with_context(|| format!("looking at process {pid}"))?.uid();
+        Listener::for_user(owner)
+    }
+
+    /// The socket sits in a fresh directory. For our own user: mode 0700
+    /// and a 0600 socket. For another user's process (only root gets that
+    /// far: the diagnostics socket refuses anyone else) the directory is
+    /// 0711, which lets that process pass through to the socket but list
+    /// nothing, and the socket is handed to that user, mode 0600: that user,
+    /// and root, may connect; nobody else.
+    fn for_user(peer_uid: u32) -> Result<Listener> {
+        let own = peer_uid == corsnap_abi::current_uid();
+        let dir_mode = if own { 0o700 } else { 0o711 };
         remove_stale_dirs(&std::env::temp_dir());
         let dir = tempfile::Builder::new()
             .prefix(&format!("{DIR_PREFIX}{}-", std::process::id()))
             .permissions(std::fs::Permissions::from_mode(0o700))
             .tempdir()
             .context("creating a private directory for the agent socket")?;
-        // Whatever the umask did, only we may enter.
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700))?;
+        // Whatever the umask did, only we may enter (and, for another
+        // user's process, pass through).
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(dir_mode))?;
         let path = dir.path().join("agent.sock");
         let listener = UnixListener::bind(&path).with_context(|| format!("listening on {}", path.display()))?;
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+        if !own {
+            std::os::unix::fs::chown(&path, Some(peer_uid), None)
+                .with_context(|| format!("handing {} to uid {peer_uid}", path.display()))?;
+        }
         listener.set_nonblocking(true)?;
-        Ok(Listener { dir, path, listener })
+        Ok(Listener { dir, path, listener, peer_uid, shared: false })
+    }
+
+    /// Keeps the socket after the first connection, for the program's
+    /// child processes ([`Listener::accept_descendant`]).
+    pub fn share_with_descendants(&mut self) {
+        self.shared = true;
+    }
+
+    /// A connection from a descendant of process `root` (of the same user),
+    /// if one is waiting; any other is hung up on. Never blocks.
+    pub fn accept_descendant(&self, root: u32) -> Option<(u32, AgentConnection)> {
+        loop {
+            let (stream, _) = self.listener.accept().ok()?;
+            match corsnap_abi::peer_credentials(&stream) {
+                Ok((pid, uid)) if uid == self.peer_uid && descends_from(pid, root) => {
+                    return AgentConnection::start(stream).ok().map(|c| (pid, c));
+                }
+                _ => drop(stream),
+            }
+        }
     }
 
     pub fn socket_path(&self) -> &Path {
@@ -79,10 +132,10 @@ impl Listener {
         let _ = std::fs::remove_dir(self.dir.path());
     }
 
-    /// Waits for process `pid` (ours, same user) to connect. `give_up` is
+    /// Waits for process `pid` (of the user this socket was made for) to connect. `give_up` is
     /// polled while waiting; when it returns a message, that becomes the error.
     pub fn accept_from(&self, pid: u32, mut give_up: impl FnMut() -> Option<String>) -> Result<AgentConnection> {
-        let uid = corsnap_abi::current_uid();
+        let uid = self.peer_uid;
         loop {
             match self.listener.accept() {
                 Ok((stream, _)) => match corsnap_abi::peer_credentials(&stream) {
@@ -90,7 +143,9 @@ impl Listener {
                         // Connected: nobody else is to connect, so the socket
                         // and its directory go now. A corsnap killed from here
                         // on (even by SIGKILL) leaves nothing behind.
-                        self.remove_files();
+                        if !self.shared {
+                            self.remove_files();
+                        }
                         return AgentConnection::start(stream);
                     }
                     // Another process (a child of the program inheriting the
@@ -109,6 +164,30 @@ impl Listener {
     }
 }
 
+/// Whether process `pid` is `root`'s child, grandchild, and so on.
+fn descends_from(pid: u32, root: u32) -> bool {
+    let mut current = pid;
+    for _ in 0..64 {
+        let Some(parent) = parent_of(current) else { return false };
+        if parent == root {
+            return true;
+        }
+        if parent <= 1 {
+            return false;
+        }
+        current = parent;
+    }
+    false
+}
+
+/// The parent pid of `pid`, from `/proc/PID/stat` (after the command name,
+/// which may hold spaces and parentheses: the last `)` ends it).
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
 /// Removes the socket directories in `tmp` that a corsnap of this user left
 /// when it was killed before its agent connected: named after a pid that is
 /// no longer a corsnap, private, and holding nothing but the socket.
@@ -121,7 +200,8 @@ pub fn remove_stale_dirs(tmp: &Path) {
         let Some(pid) = name.strip_prefix(DIR_PREFIX).and_then(|rest| rest.split('-').next()) else { continue };
         let Ok(pid) = pid.parse::<u32>() else { continue };
         let Ok(meta) = std::fs::symlink_metadata(entry.path()) else { continue };
-        if !meta.is_dir() || meta.uid() != uid || meta.mode() & 0o777 != 0o700 || pid == std::process::id() {
+        let private = matches!(meta.mode() & 0o777, 0o700 | 0o711);
+        if !meta.is_dir() || meta.uid() != uid || !private || pid == std::process::id() {
             continue;
         }
         let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
@@ -196,5 +276,47 @@ impl AgentConnection {
     /// Hangs up: the agent notices and detaches itself.
     pub fn close(self) {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    #[test]
+    fn a_process_descends_from_its_ancestors_only() {
+        let me = std::process::id();
+        let parent = parent_of(me).unwrap();
+        assert!(descends_from(me, parent));
+        assert!(!descends_from(parent, me));
+        let mut child = std::process::Command::new("sleep").arg("5").spawn().unwrap();
+        assert!(descends_from(child.id(), me) && descends_from(child.id(), parent));
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    #[test]
+    fn a_socket_for_our_own_user_is_ours_alone() {
+        let listener = Listener::new().unwrap();
+        let dir = std::fs::metadata(listener.socket_path().parent().unwrap()).unwrap();
+        let socket = std::fs::metadata(listener.socket_path()).unwrap();
+        assert_eq!(dir.mode() & 0o777, 0o700);
+        assert_eq!((socket.mode() & 0o777, socket.uid()), (0o600, corsnap_abi::current_uid()));
+    }
+
+    #[test]
+    fn a_socket_for_another_users_process_is_that_users_alone() {
+        if corsnap_abi::current_uid() != 0 {
+            eprintln!("skipped: only root makes a socket for another user's process");
+            return;
+        }
+        let listener = Listener::for_user(65534).unwrap();
+        let dir = std::fs::metadata(listener.socket_path().parent().unwrap()).unwrap();
+        let socket = std::fs::metadata(listener.socket_path()).unwrap();
+        // Others may pass through the directory (not list it), and only
+        // that user (and root) may connect to the socket.
+        assert_eq!((dir.mode() & 0o777, dir.uid()), (0o711, 0));
+        assert_eq!((socket.mode() & 0o777, socket.uid()), (0o600, 65534));
     }
 }

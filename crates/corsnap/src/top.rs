@@ -487,7 +487,10 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
     if let Target::Attach(pid) = options.target {
         crate::diagnostics::find_socket(pid)?;
     }
-    let listener = Listener::new()?;
+    let listener = match options.target {
+        Target::Attach(pid) => Listener::for_process(pid)?,
+        Target::Launch(_) => Listener::new()?,
+    };
     let signals = StopSignals::install()?;
     let mut program_output = None;
     let (connection, title, child) = match &options.target {
@@ -535,8 +538,10 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
                 native: options.native,
                 roots: options.roots,
                 raw_names: options.raw_names,
+                lines: false,
                 title: String::new(),
                 inverted: false,
+                subprocesses: false,
                 continuous: None,
             };
             let (process, connection, command) =
@@ -739,6 +744,7 @@ mod tests {
             truncated: false,
             leaf: String::new(),
             frames,
+            il_offsets: Vec::new(),
         };
         view.apply(&sample);
         let (all, _) = view.all.view(None);

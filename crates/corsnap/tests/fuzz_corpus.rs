@@ -1,4 +1,4 @@
-//! Smoke run of the `raw_recording` and `diagnostics_response` fuzz targets
+//! Smoke run of the `raw_recording`, `diagnostics_response` and `assembly_pdb` fuzz targets
 //! on stable, without libFuzzer: every file of their corpora (including the
 //! inputs that once failed), then deterministic pseudo-random inputs. The
 //! bodies are the targets' own, from `fuzz/bodies/`.
@@ -6,6 +6,8 @@
 #[path = "../../../fuzz/replay.rs"]
 mod replay;
 
+#[path = "../../../fuzz/bodies/assembly_pdb.rs"]
+mod assembly_pdb_body;
 #[path = "../../../fuzz/bodies/diagnostics_response.rs"]
 mod diagnostics_response_body;
 #[path = "../../../fuzz/bodies/raw_recording.rs"]
@@ -27,6 +29,22 @@ fn raw_recording_pseudo_random() {
     let corpus = replay::corpus(env!("CARGO_MANIFEST_DIR"), "raw_recording");
     replay::pseudo_random_run(0x5EED_0003, &corpus, |data| {
         raw_recording(data);
+    });
+}
+
+#[test]
+fn assembly_pdb_corpus_replays() {
+    let corpus = replay::corpus(env!("CARGO_MANIFEST_DIR"), "assembly_pdb");
+    let mut lines = 0;
+    replay::replay_corpus("assembly_pdb", &corpus, |data| lines += assembly_pdb_body::run(data));
+    assert!(lines > 0, "the embedded PDB of the corpus gives lines");
+}
+
+#[test]
+fn assembly_pdb_pseudo_random() {
+    let corpus = replay::corpus(env!("CARGO_MANIFEST_DIR"), "assembly_pdb");
+    replay::pseudo_random_run(0x5EED_0009, &corpus, |data| {
+        assembly_pdb_body::run(data);
     });
 }
 
@@ -60,6 +78,7 @@ fn huge_weights_render() {
             truncated: false,
             leaf: String::new(),
             frames,
+            il_offsets: Vec::new(),
         }
         .encode_into(&mut data);
     }

@@ -55,6 +55,7 @@ fn raw_recording(dir: &Path, kinds: &[EventKind]) -> PathBuf {
             truncated: false,
             leaf: String::new(),
             frames: vec![2, 1],
+            il_offsets: Vec::new(),
         }
         .encode_into(&mut bytes);
     }

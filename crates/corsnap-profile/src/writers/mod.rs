@@ -91,6 +91,10 @@ pub struct WriteOptions {
     /// Frame names as the runtime gave them (`Shop.Orders+<HandleAsync>d__4.MoveNext`),
     /// not their readable form (`Shop.Orders.HandleAsync [async]`).
     pub raw_names: bool,
+    /// Frames with a known source line read `Method (File.cs:42)`
+    /// ([`crate::Frame::name_with_line`]); pprof puts the line in its
+    /// locations instead.
+    pub lines: bool,
 }
 
 impl WriteOptions {
@@ -133,7 +137,13 @@ pub fn frame_names<'a>(profile: &'a Profile, options: &WriteOptions) -> Vec<Cow<
     profile
         .frames
         .iter()
-        .map(|frame| if options.raw_names { Cow::Borrowed(frame.name.as_str()) } else { frame.display_name() })
+        .map(|frame| {
+            let name = if options.raw_names { Cow::Borrowed(frame.name.as_str()) } else { frame.display_name() };
+            match &frame.source {
+                Some(source) if options.lines => Cow::Owned(crate::Frame::name_with_line(&name, source)),
+                _ => name,
+            }
+        })
         .collect()
 }
 

@@ -12,6 +12,12 @@
 //! Each function is named as the other formats name its frame (readably,
 //! unless [`WriteOptions::raw_names`]); its `system_name` is always the name
 //! the runtime gave (`Shop.Orders+<HandleAsync>d__4.MoveNext`).
+//!
+//! A frame whose source line is known (the assembly's PDB was found and
+//! matched) is a location with that line, in a function named by the
+//! method and its source file; the method's other lines are other locations
+//! of the same function, as `pprof -lines` expects. Without a line the
+//! function's file name is the module's.
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
@@ -80,7 +86,7 @@ impl Strings {
 /// does not complain that the main binary's file name is unknown.
 const MAPPING_ID: u64 = 1;
 
-fn mapping() -> proto::Mapping {
+fn mapping(has_line_numbers: bool) -> proto::Mapping {
     proto::Mapping {
         id: MAPPING_ID,
         memory_start: 0,
@@ -90,7 +96,7 @@ fn mapping() -> proto::Mapping {
         build_id: 0,
         has_functions: true,
         has_filenames: true,
-        has_line_numbers: false,
+        has_line_numbers,
         has_inline_frames: false,
     }
 }
@@ -110,6 +116,9 @@ enum Site {
 /// (ids are equal and start at 1), numbered in order of first use.
 struct Sites {
     ids: HashMap<Site, u64>,
+    /// Functions of frames with a source line, by (name, system name, file):
+    /// one per method, whatever the line.
+    sourced: HashMap<(i64, i64, i64), u64>,
     functions: Vec<proto::Function>,
     locations: Vec<proto::Location>,
 }
@@ -121,11 +130,30 @@ impl Sites {
         if let Some(&id) = self.ids.get(&site) {
             return id;
         }
-        let id = self.functions.len() as u64 + 1;
+        let id = self.locations.len() as u64 + 1;
         let (name, system_name, module) = match site {
             Site::Frame(idx) => {
                 let frame = &profile.frames[idx as usize];
                 let name = strings.intern(&names[idx as usize]);
+                if let Some(source) = &frame.source {
+                    let key = (name, strings.intern(&frame.name), strings.intern(&source.file));
+                    let next = self.functions.len() as u64 + 1;
+                    let function_id = *self.sourced.entry(key).or_insert(next);
+                    if function_id == next {
+                        let (name, system_name, filename) = key;
+                        self.functions.push(proto::Function { id: next, name, system_name, filename, start_line: 0 });
+                    }
+                    let line = vec![proto::Line { function_id, line: i64::from(source.line), column: 0 }];
+                    self.locations.push(proto::Location {
+                        id,
+                        mapping_id: MAPPING_ID,
+                        address: 0,
+                        line,
+                        is_folded: false,
+                    });
+                    self.ids.insert(site, id);
+                    return id;
+                }
                 (name, strings.intern(&frame.name), strings.intern(&frame.module))
             }
             Site::NoFrames => {
@@ -137,12 +165,13 @@ impl Sites {
                 (name, name, 0)
             }
         };
-        self.functions.push(proto::Function { id, name, system_name, filename: module, start_line: 0 });
+        let function_id = self.functions.len() as u64 + 1;
+        self.functions.push(proto::Function { id: function_id, name, system_name, filename: module, start_line: 0 });
         self.locations.push(proto::Location {
             id,
             mapping_id: MAPPING_ID,
             address: 0,
-            line: vec![proto::Line { function_id: id, line: 0, column: 0 }],
+            line: vec![proto::Line { function_id, line: 0, column: 0 }],
             is_folded: false,
         });
         self.ids.insert(site, id);
@@ -168,8 +197,10 @@ fn build(profile: &Profile, options: &WriteOptions) -> proto::Profile {
 
     let thread_key = strings.intern("thread");
     let mut thread_labels: HashMap<ThreadIdx, i64> = HashMap::new();
-    let names = super::frame_names(profile, options);
-    let mut sites = Sites { ids: HashMap::new(), functions: Vec::new(), locations: Vec::new() };
+    // The line is the location's, not part of the function's name.
+    let names = super::frame_names(profile, &WriteOptions { lines: false, ..options.clone() });
+    let mut sites =
+        Sites { ids: HashMap::new(), sourced: HashMap::new(), functions: Vec::new(), locations: Vec::new() };
     let mut samples = Vec::with_capacity(merged.len());
     for ((stack, thread, kind), weight) in merged {
         let frames = &profile.stacks[stack as usize];
@@ -213,7 +244,7 @@ fn build(profile: &Profile, options: &WriteOptions) -> proto::Profile {
     proto::Profile {
         sample_type,
         sample: samples,
-        mapping: vec![mapping()],
+        mapping: vec![mapping(profile.frames.iter().any(|f| f.source.is_some()))],
         location: sites.locations,
         function: sites.functions,
         string_table: strings.table,
@@ -264,6 +295,9 @@ pub struct PprofSummary {
     pub function_names: Vec<String>,
     /// Each function's `system_name`: the name as the runtime gave it.
     pub system_names: Vec<String>,
+    /// Each location's line: its function's name and file name, and the
+    /// line number (0 when unknown).
+    pub lines: Vec<(String, String, i64)>,
 }
 
 impl PprofSummary {
@@ -286,6 +320,16 @@ pub fn decode_pprof(gzipped: &[u8]) -> io::Result<PprofSummary> {
         values: profile.sample.iter().map(|s| s.value.clone()).collect(),
         function_names: profile.function.iter().map(|f| string(f.name)).collect(),
         system_names: profile.function.iter().map(|f| string(f.system_name)).collect(),
+        lines: profile
+            .location
+            .iter()
+            .flat_map(|l| l.line.first())
+            .map(|line| {
+                let function = profile.function.iter().find(|f| f.id == line.function_id);
+                let (name, file) = function.map_or((0, 0), |f| (f.name, f.filename));
+                (string(name), string(file), line.line)
+            })
+            .collect(),
     })
 }
 
@@ -470,6 +514,47 @@ mod tests {
         let raw = WriteOptions { raw_names: true, ..WriteOptions::default() };
         let summary = decode_pprof(&write(&profile, &raw)).unwrap();
         assert_eq!(summary.function_names, summary.system_names);
+    }
+
+    #[test]
+    fn frames_with_lines_are_locations_of_one_function_per_method() {
+        let mut profile = Profile::new(Meta::default());
+        let at = |line: u32| {
+            let mut f = frame("Shop.Ledger.Settle", "Shop.dll");
+            f.source = Some(crate::SourceLine { file: "/src/Ledger.cs".into(), line });
+            f
+        };
+        let settle_42 = profile.intern_frame(at(42));
+        let settle_47 = profile.intern_frame(at(47));
+        let main = profile.intern_frame(frame("Shop.Program.Main", "Shop.dll"));
+        let thread = profile.intern_thread(Thread { os_tid: 1, name: String::new() });
+        for leaf in [settle_42, settle_47] {
+            let stack = profile.intern_stack(&[leaf, main]);
+            profile.samples.push(Sample { time_ns: 0, thread, stack, weight: 1, kind: EventKind::Cpu });
+        }
+        // With or without --lines: the line is the location's, never the
+        // function's name.
+        for lines in [false, true] {
+            let bytes = write(&profile, &WriteOptions { lines, ..WriteOptions::default() });
+            let summary = decode_pprof(&bytes).unwrap();
+            assert_eq!(summary.function_names, ["Shop.Ledger.Settle", "Shop.Program.Main"]);
+            let mut located = summary.lines.clone();
+            located.sort();
+            assert_eq!(
+                located,
+                [
+                    ("Shop.Ledger.Settle".to_string(), "/src/Ledger.cs".to_string(), 42),
+                    ("Shop.Ledger.Settle".to_string(), "/src/Ledger.cs".to_string(), 47),
+                    ("Shop.Program.Main".to_string(), "Shop.dll".to_string(), 0),
+                ]
+            );
+            assert!(decode(&bytes).mapping[0].has_line_numbers);
+        }
+        // The other writers show it only with --lines.
+        let names = super::super::frame_names(&profile, &WriteOptions { lines: true, ..WriteOptions::default() });
+        assert_eq!(names[settle_42 as usize], "Shop.Ledger.Settle (Ledger.cs:42)");
+        let names = super::super::frame_names(&profile, &WriteOptions::default());
+        assert_eq!(names[settle_47 as usize], "Shop.Ledger.Settle");
     }
 
     #[test]

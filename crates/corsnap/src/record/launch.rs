@@ -65,6 +65,7 @@ pub(crate) fn launch_with_output(
         .env("CORECLR_PROFILER", corsnap_wire::AGENT_CLSID)
         .env("CORECLR_PROFILER_PATH", agent)
         .env(corsnap_wire::ENV_SOCKET, listener.socket_path())
+        .env(corsnap_wire::ENV_CLI_PID, std::process::id().to_string())
         .env(corsnap_wire::ENV_RATE, options.rate_hz.to_string());
     command.env(corsnap_wire::ENV_EVENTS, EventKind::mask(&options.events).to_string());
     command.env(corsnap_wire::ENV_MAX_PAUSE, options.max_pause_ppm.to_string());
@@ -72,6 +73,13 @@ pub(crate) fn launch_with_output(
     command.env(corsnap_wire::ENV_WALKER, options.walker.name());
     if options.timers {
         command.env(corsnap_wire::ENV_NO_PERF_EVENTS, "1");
+    }
+    if options.subprocesses {
+        command.env(corsnap_wire::ENV_SUBPROCESSES, "1");
+    } else {
+        // One inherited from a corsnap around this one would let the
+        // program's children in.
+        command.env_remove(corsnap_wire::ENV_SUBPROCESSES);
     }
     if let Some(log) = &options.agent_log {
         command.env(corsnap_wire::ENV_LOG, absolute(log));
@@ -253,25 +261,35 @@ pub fn process_command_line(pid: u32) -> String {
         .unwrap_or_else(|_| format!("pid {pid}"))
 }
 
+/// The agent library to load: `--agent` (tests), `$CORSNAP_AGENT`, the
+/// one beside the `corsnap` binary (a `cargo build` tree), or else the one
+/// this binary carries, written out (`embedded_agent`).
 pub fn find_agent(explicit: Option<&Path>) -> Result<PathBuf> {
-    let candidate = match explicit {
-        Some(p) => p.to_path_buf(),
-        None => match std::env::var_os(ENV_AGENT_PATH) {
-            Some(p) => PathBuf::from(p),
-            None => {
-                let exe = std::env::current_exe().context("locating the corsnap binary")?;
-                exe.parent().map(|d| d.join(AGENT_FILE_NAME)).context("locating the corsnap binary's directory")?
-            }
-        },
-    };
-    if !candidate.is_file() {
-        bail!(
-            "cannot find the corsnap agent at {}: build it with `cargo build --release` (it is installed next to \
-             the corsnap binary), or point {ENV_AGENT_PATH} at libcorsnap_agent.so",
-            candidate.display()
-        );
+    let named = explicit.map(Path::to_path_buf).or_else(|| std::env::var_os(ENV_AGENT_PATH).map(PathBuf::from));
+    if let Some(candidate) = named {
+        if !candidate.is_file() {
+            bail!(
+                "cannot find the corsnap agent at {} (named by {ENV_AGENT_PATH}): point it at a \
+                 libcorsnap_agent.so, or unset it to use the agent inside corsnap",
+                candidate.display()
+            );
+        }
+        return Ok(absolute(&candidate));
     }
-    Ok(absolute(&candidate))
+    let exe = std::env::current_exe().context("locating the corsnap binary")?;
+    let beside = exe.parent().map(|d| d.join(AGENT_FILE_NAME)).context("locating the corsnap binary's directory")?;
+    if beside.is_file() {
+        return Ok(absolute(&beside));
+    }
+    if crate::embedded_agent::available() {
+        return crate::embedded_agent::install();
+    }
+    bail!(
+        "cannot find the corsnap agent at {}: this corsnap was built without its agent inside \
+         (CORSNAP_EMBED_AGENT=0); build it with `cargo build --release`, or point {ENV_AGENT_PATH} at \
+         libcorsnap_agent.so",
+        beside.display()
+    )
 }
 
 pub fn absolute(path: &Path) -> PathBuf {

@@ -1,6 +1,7 @@
 //! `corsnap record -- <program>`: run a program with the agent loaded and
 //! turn what it sends into a profile.
 
+mod children;
 mod describe;
 mod launch;
 mod process;
@@ -11,9 +12,11 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
+use corsnap_profile::processes::ProcessProfiles;
 use corsnap_profile::{NativeFrames, ProfileBuilder};
 use corsnap_wire::{AttachRequest, Command as AgentCommand, EventKind, Message, SamplerKind, Severity, WalkerKind};
 
+use self::children::ChildRecording;
 use self::describe::StatusLine;
 pub use self::describe::{describe_gcs, describe_stats, plural};
 pub(crate) use self::launch::launch_with_output;
@@ -63,12 +66,16 @@ pub struct RecordOptions {
     pub roots: corsnap_profile::RootFrames,
     /// Method names as the runtime gives them, not readable.
     pub raw_names: bool,
+    /// Frames split by source line, named `Method (File.cs:42)`.
+    pub lines: bool,
     /// Flame graph title (empty: the command).
     pub title: String,
     /// Icicle flame graphs.
     pub inverted: bool,
     /// `--interval`: cut the recording into windows sent to sinks.
     pub continuous: Option<ContinuousOptions>,
+    /// Record the program's .NET child processes too.
+    pub subprocesses: bool,
 }
 
 /// What continuous recording (`--interval`) was asked for.
@@ -171,6 +178,7 @@ impl RecordOptions {
             title: self.title.clone(),
             inverted: self.inverted,
             raw_names: self.raw_names,
+            lines: self.lines,
         }
     }
 }
@@ -218,7 +226,13 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     };
     // On any error from here on, dropping `outputs` removes its temporary
     // files: nothing is left under the output's name.
-    let listener = Listener::new()?;
+    let mut listener = match options.target {
+        Target::Attach(pid) => Listener::for_process(pid)?,
+        Target::Launch(_) => Listener::new()?,
+    };
+    if options.subprocesses {
+        listener.share_with_descendants();
+    }
     let interrupted = StopSignals::install()?;
     let (mut process, mut connection, command_line) = match &options.target {
         Target::Launch(program) => match launch(program, &agent, &listener, options, &interrupted) {
@@ -251,6 +265,13 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
         }
     };
     let started = Instant::now();
+    let main_pid = match &process {
+        Process::Child { child, .. } => child.id(),
+        Process::Attached { pid } => *pid,
+    };
+    // With --subprocesses: the program's .NET child processes, each with
+    // its connection and its own builder.
+    let mut children: Vec<ChildRecording> = Vec::new();
     let mut destination = outputs;
     if let Destination::Windows(continuous) = &mut destination {
         // The first window starts now, when sampling does.
@@ -265,6 +286,9 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     let mut builder = ProfileBuilder::new();
     builder.set_native_frames(options.native);
     builder.set_root_frames(options.roots);
+    if crate::output::reads_pdbs(options.lines, options.format) {
+        builder.set_source_locator(corsnap::source_lines::PdbLocator::boxed());
+    }
     let recording = Message::Recording { command: command_line, start_unix_ms: unix_ms() };
     builder.apply(&recording);
     let mut raw = match options.format {
@@ -276,32 +300,56 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
     // Events the agent said it cannot record here (`--event alloc` on .NET
     // Core 3.1): they get no file.
     let mut refused: Vec<EventKind> = Vec::new();
-    let mut on_message = |msg: &Message, builder: &mut ProfileBuilder, status: &mut StatusLine| {
-        if let Some(raw) = raw.as_mut() {
-            raw.record(msg);
-        }
-        builder.apply(msg);
-        for (severity, text) in builder.take_notices() {
-            status.clear();
-            match severity {
-                Severity::Error => {
-                    eprintln!("corsnap: error: {text}");
-                    agent_failed = Some(text);
-                }
-                Severity::Warning => {
-                    if let Some(kind) = refused_event(&text) {
-                        refused.push(kind);
-                    }
-                    eprintln!("corsnap: warning: {text}")
-                }
-                Severity::Info => eprintln!("corsnap: {text}"),
+    // `child`: the message came from a child process (--subprocesses), not
+    // from the program corsnap started.
+    let subprocesses = options.subprocesses;
+    let mut on_message =
+        |msg: &Message, builder: &mut ProfileBuilder, status: &mut StatusLine, child: Option<(u32, &str)>| {
+            if let Some(raw) = raw.as_mut() {
+                let from = match child {
+                    Some(c) => Some(c),
+                    None if subprocesses => Some((main_pid, name.as_str())),
+                    None => None,
+                };
+                raw.record(from, msg);
             }
-        }
-    };
+            builder.apply(msg);
+            for (severity, text) in builder.take_notices() {
+                status.clear();
+                if let Some((pid, child_name)) = child {
+                    // A child's trouble is its own: said, and the recording goes on.
+                    eprintln!("corsnap: process {pid} ({child_name}): {text}");
+                    continue;
+                }
+                match severity {
+                    Severity::Error => {
+                        eprintln!("corsnap: error: {text}");
+                        agent_failed = Some(text);
+                    }
+                    Severity::Warning => {
+                        if let Some(kind) = refused_event(&text) {
+                            refused.push(kind);
+                        }
+                        eprintln!("corsnap: warning: {text}")
+                    }
+                    Severity::Info => eprintln!("corsnap: {text}"),
+                }
+            }
+        };
 
     let mut agent_gone = false;
     let mut first_sample: Option<Duration> = None;
     let stop_reason = loop {
+        if subprocesses {
+            while let Some((pid, connection)) = listener.accept_descendant(main_pid) {
+                children.push(ChildRecording::new(pid, connection, options));
+            }
+            for c in children.iter_mut() {
+                c.drain(Duration::ZERO, |msg, builder, pid, name| {
+                    on_message(msg, builder, &mut status, Some((pid, name)))
+                });
+            }
+        }
         if let Some(event) = connection.next_event(Duration::from_millis(100)) {
             match event {
                 Event::Message(msg) => {
@@ -311,7 +359,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                     if first_sample.is_none() && matches!(msg, Message::Sample { .. }) {
                         first_sample = Some(invoked.elapsed());
                     }
-                    on_message(&msg, &mut builder, &mut status);
+                    on_message(&msg, &mut builder, &mut status, None);
                     if let Message::Goodbye { reason } = &msg {
                         agent_gone = true;
                         // Ctrl-C reaches the program too, whose runtime then
@@ -365,7 +413,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
         if matches!(process, Process::Attached { .. }) && process.has_exited() {
             // Drain what the agent sent before the process died.
             while let Some(Event::Message(msg)) = connection.next_event(Duration::from_millis(200)) {
-                on_message(&msg, &mut builder, &mut status);
+                on_message(&msg, &mut builder, &mut status, None);
             }
             agent_gone = true;
             break "the process exited".to_string();
@@ -384,7 +432,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
             match connection.next_event(Duration::from_millis(100)) {
                 Some(Event::Message(msg)) => {
                     let bye = matches!(msg, Message::Goodbye { .. });
-                    on_message(&msg, &mut builder, &mut status);
+                    on_message(&msg, &mut builder, &mut status, None);
                     if bye {
                         break;
                     }
@@ -392,6 +440,24 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                 Some(Event::Closed(_)) => break,
                 None => {}
             }
+        }
+    }
+    // The children still recording are asked to leave too (their programs
+    // run on), and what they send on the way out is kept.
+    for c in children.iter_mut().filter(|c| c.connection.is_some()) {
+        c.detach();
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while children.iter().any(|c| c.connection.is_some()) && Instant::now() < deadline {
+        for c in children.iter_mut() {
+            c.drain(Duration::from_millis(10), |msg, builder, pid, name| {
+                on_message(msg, builder, &mut status, Some((pid, name)))
+            });
+        }
+    }
+    for c in children.iter_mut() {
+        if let Some(connection) = c.connection.take() {
+            connection.close();
         }
     }
     let goodbye_at = invoked.elapsed();
@@ -418,14 +484,24 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
             Process::Attached { .. } => ExitCode::from(2),
         });
     }
-    let threads = builder.thread_count();
+    let threads = builder.thread_count() + children.iter().map(|c| c.builder.thread_count()).sum::<usize>();
     let agent_stats = builder.stats();
     let (samples, gcs) = match destination {
         Destination::Whole(outputs) => {
-            let samples = builder.sample_count();
+            let samples = builder.sample_count() + children.iter().map(|c| c.builder.sample_count()).sum::<usize>();
             let paths = outputs.kept(&refused);
             let skipped = outputs.skipped(&refused);
-            let profile = builder.finish();
+            let processes = children.len() + 1;
+            let profile = if subprocesses {
+                let mut all = ProcessProfiles::new(builder, options.native, options.roots);
+                all.name_main(main_pid, &name);
+                for c in children {
+                    all.insert(c.pid, &c.name, c.builder);
+                }
+                all.finish()
+            } else {
+                builder.finish()
+            };
             match raw {
                 Some(raw) => raw.finish(outputs.into_single())?,
                 None => outputs.write(&profile, &options.write_options(), &refused)?,
@@ -433,8 +509,9 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
             if !skipped.is_empty() {
                 eprintln!("corsnap: not written (nothing could be recorded for it): {}", skipped.join(", "));
             }
+            let from_processes = if subprocesses { format!(" in {processes} processes") } else { String::new() };
             eprintln!(
-                "corsnap: wrote {} ({} from {}; recording ended: {stop_reason})",
+                "corsnap: wrote {} ({} from {}{from_processes}; recording ended: {stop_reason})",
                 paths.join(", "),
                 plural(samples, "sample"),
                 plural(threads, "thread")
@@ -549,6 +626,8 @@ fn refused_event(notice: &str) -> Option<EventKind> {
 /// recording later in any format.
 struct RawRecorder {
     buffer: Vec<u8>,
+    /// The process the last message came from, in a recording of several.
+    current: Option<u32>,
 }
 
 impl RawRecorder {
@@ -556,10 +635,18 @@ impl RawRecorder {
         let mut buffer = Vec::new();
         corsnap_wire::write_raw_header(&mut buffer)?;
         recording.encode_into(&mut buffer);
-        Ok(RawRecorder { buffer })
+        Ok(RawRecorder { buffer, current: None })
     }
 
-    fn record(&mut self, msg: &Message) {
+    /// `from`: the process, when several are recorded; a `Process` message
+    /// goes before each run of messages from one of them.
+    fn record(&mut self, from: Option<(u32, &str)>, msg: &Message) {
+        if let Some((pid, name)) = from {
+            if self.current != Some(pid) {
+                Message::Process { pid, name: name.to_string() }.encode_into(&mut self.buffer);
+                self.current = Some(pid);
+            }
+        }
         msg.encode_into(&mut self.buffer);
     }
 
