@@ -2,110 +2,179 @@
 """The cost of the event profiles: exception-heavy and allocation-heavy C#
 workloads (bench/programs/events.cs, fixed work) without a profiler and
 under `corsnap record --event exceptions` / `--event alloc`, interleaved
-round by round, as ratios. Targets: exceptions at most 10% slower,
-allocations at most 3%.
+round by round, as ratios, on .NET 8 and 10 (`--runtimes`), with both event
+walkers: `native` (corsnap's own unwinder, the default) and `snapshot`
+(`--walker snapshot`, DoStackSnapshot).
 
-Two exception workloads: `exceptions` does nothing but throw and catch (4
+Targets (issue 18): `validate` (two thread-pool workers validating records,
+one in four bad and thrown for) at most 6% slower under `-e exceptions`;
+`alloc` at most 3%, with corsnap's share over the runtime's own delivery of
+allocation ticks; and, recording `-e cpu -e exceptions` of `validate`,
+corsnap's own frames at most 2% of the CPU profile.
+
+Exception workloads: `exceptions` does nothing but throw and catch (4
 frames deep), the worst case; `requests` parses numbers out of text and
 every other request has a malformed one, so int.Parse throws from inside
-the base library. Both spend most of their time in exception handling, so
-the table also gives the cost per throw: a program's slowdown is that times
-its exception rate. For them the table also has floor rows
-(CORSNAP_BENCH_EXCEPTIONS): the runtime's exception callbacks alone, and
-those plus the one synchronous stack walk per exception that exact exception
-stacks need, which no recorder of them can go below. The alloc workload has
-one too (CORSNAP_BENCH_ALLOC_SESSION_ONLY): the runtime delivering its
-allocation ticks, each with a stack walk of its own, to an agent that
-ignores them.
+the base library; `validate` is the issue's two-thread workload. For them
+the table also has floor rows (CORSNAP_BENCH_EXCEPTIONS): the runtime's
+exception callbacks alone, and those plus the one synchronous stack walk
+per exception that exact exception stacks need (with each walker). The
+alloc workload has one too (CORSNAP_BENCH_ALLOC_SESSION_ONLY): the runtime
+delivering its allocation ticks to an agent that ignores them.
 
-    python3 bench/events.py [--rounds 7]
+    python3 bench/events.py [--rounds 7] [--runtimes 8,10] [--workloads validate,alloc]
 """
 import argparse, os, random, re, statistics, subprocess, sys, tempfile
 
-from common import CORSNAP, paired_slowdown, prepare
+from common import CORSNAP, OUT, ROOT, paired_slowdown, prepare
 
 # workload -> (event recorded, unit of work, what a unit contains, target)
 WORKLOADS = {
+    "validate": ("exceptions", "record", 0.25, "6%"),
     "exceptions": ("exceptions", "throw", 1.0, "10%"),
     "requests": ("exceptions", "throw", 0.5, "10%"),
     "alloc": ("alloc", "round", 1.0, "3%"),
 }
 
+LABELS = {
+    "record": "records (native walker)",
+    "record-snapshot": "records (`--walker snapshot`)",
+    "monitor": "floor: callbacks only",
+    "walk": "floor: callbacks + native walk",
+    "walk-snapshot": "floor: callbacks + DoStackSnapshot",
+    "session": "floor: the runtime's allocation events only",
+    "cpu": "`-e cpu -e exceptions`, native",
+    "cpu-snapshot": "`-e cpu -e exceptions`, snapshot",
+}
+
+
+def own_share(path):
+    """The share of a collapsed CPU profile's weight in stacks with one of
+    corsnap's own frames (its callbacks, and what they call)."""
+    total = ours = 0
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not stack:
+                continue
+            n = int(count)
+            total += n
+            if "libcorsnap_agent" in stack:
+                ours += n
+    return ours / total if total else float("nan")
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--runtimes", default="8,10", help="comma-separated: 8, 9, 10")
+    ap.add_argument("--validate", type=int, default=400_000, help="records (a quarter of them throw)")
     ap.add_argument("--exceptions", type=int, default=200_000, help="throw/catch pairs")
     ap.add_argument("--requests", type=int, default=200_000, help="requests (half of them throw)")
     ap.add_argument("--allocs", type=int, default=1_500_000, help="allocation rounds")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="which of them, comma-separated")
+    ap.add_argument("--workloads", default="validate,alloc", help=f"which of {', '.join(WORKLOADS)}, comma-separated")
     ap.add_argument("--no-floors", dest="floors", action="store_false",
-                    help="skip the rows that measure the runtime's share of the exception cost")
+                    help="skip the rows that measure the runtime's share of the cost")
     args = ap.parse_args()
-    env, [dll] = prepare('bench/programs/events.cs')
-    dotnet = env["CORSNAP_DOTNET8"]
+    env, _ = prepare()
+    runtimes = [r for r in args.runtimes.split(",") if r]
+    dlls = {}
+    for rt in runtimes:
+        out = os.path.join(OUT, f"events-net{rt}")
+        subprocess.run(["bash", f"{ROOT}/scripts/build-cs.sh", f"{ROOT}/bench/programs/events.cs", out, rt],
+                       env=env, check=True, stdout=subprocess.DEVNULL)
+        dlls[rt] = (env[f"CORSNAP_DOTNET{rt}"], os.path.join(out, "events.dll"))
     corsnap = CORSNAP
     scratch = tempfile.mkdtemp(prefix="corsnap-events-bench-")
     chosen = [w for w in args.workloads.split(",") if w]
     if unknown := [w for w in chosen if w not in WORKLOADS]:
         sys.exit(f"unknown workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}")
-    sizes = {"exceptions": args.exceptions, "requests": args.requests, "alloc": args.allocs}
+    sizes = {"validate": args.validate, "exceptions": args.exceptions, "requests": args.requests,
+             "alloc": args.allocs}
 
-    # How a workload runs: without a profiler, recorded, or (exception
-    # workloads) with the agent doing only the runtime's share: its exception
-    # callbacks (`monitor`), then also the synchronous walk (`walk`).
+    # How a workload runs: without a profiler, recorded (with either
+    # walker), or with the agent doing only the runtime's share.
     def modes(workload):
-        floors = {"exceptions": ["monitor", "walk"], "alloc": ["session"]}[WORKLOADS[workload][0]] if args.floors else []
-        return ["none", "record"] + floors
+        if WORKLOADS[workload][0] == "exceptions":
+            floors = ["monitor", "walk", "walk-snapshot"]
+            extra = ["cpu", "cpu-snapshot"] if workload == "validate" else []
+        else:
+            floors, extra = ["session"], []
+        return ["none", "record", "record-snapshot"] + (floors if args.floors else []) + extra
 
-    def run(workload, mode):
+    shares = {}
+
+    def run(rt, workload, mode):
+        dotnet, dll = dlls[rt]
         program = [dotnet, dll, workload, str(sizes[workload])]
         event = WORKLOADS[workload][0]
         e = dict(env)
+        walker = "snapshot" if mode.endswith("snapshot") else "native"
         if mode == "none":
             cmd = program
         else:
-            cmd = [corsnap, "record", "-e", event, "-f", "collapsed", "-o", f"{scratch}/p.txt", "--"] + program
+            # `--roots show`: on .NET 9 and later the callbacks run inside the
+            # runtime's managed exception dispatch, whose frames (and all
+            # above them) a profile otherwise folds into `[exception dispatch]`.
+            events = ["-e", "cpu", "-e", event, "--roots", "show"] if mode.startswith("cpu") else ["-e", event]
+            cmd = [corsnap, "record", *events, "--walker", walker, "-f", "collapsed", "-o", f"{scratch}/p.txt",
+                   "--"] + program
             if mode == "session":
                 e["CORSNAP_BENCH_ALLOC_SESSION_ONLY"] = "1"
-            elif mode != "record":
-                e["CORSNAP_BENCH_EXCEPTIONS"] = mode
+            elif mode.startswith("walk"):
+                e["CORSNAP_BENCH_EXCEPTIONS"] = "walk"
+            elif mode == "monitor":
+                e["CORSNAP_BENCH_EXCEPTIONS"] = "monitor"
         r = subprocess.run(cmd, env=e, capture_output=True, text=True)
         m = re.search(r"elapsed_ms ([\d.]+)", r.stdout)
         if r.returncode != 0 or not m:
-            sys.exit(f"{workload} ({mode}) failed:\n{r.stdout}\n{r.stderr}")
+            sys.exit(f"{workload} on .NET {rt} ({mode}) failed:\n{r.stdout}\n{r.stderr}")
+        if mode.startswith("cpu"):
+            shares.setdefault((rt, workload, mode), []).append(own_share(f"{scratch}/p.cpu.txt"))
         return float(m.group(1))
 
     results = {}
     for rnd in range(args.rounds):
-        configs = [(w, m) for w in chosen for m in modes(w)]
+        configs = [(rt, w, m) for rt in runtimes for w in chosen for m in modes(w)]
         random.shuffle(configs)
         for c in configs:
             results.setdefault(c, []).append(run(*c))
         print(f"  round {rnd + 1}/{args.rounds} done", file=sys.stderr)
 
-    print(f"\nmedian of {args.rounds} interleaved rounds, {os.cpu_count()} CPUs\n")
+    load = open("/proc/loadavg").read().split()[:3]
+    print(f"\nmedian of {args.rounds} interleaved rounds, {os.cpu_count()} CPUs, load average at the end "
+          f"{' '.join(load)}\n")
     print("Slowdown: the ratio of medians; paired: the median of each round's ratio (middle half in brackets).\n"
-          "Floor rows: the agent only takes the runtime's exception callbacks (monitor), and also makes the\n"
-          "synchronous walk the issue asks for (walk); or it runs the EventPipe session that delivers allocation\n"
-          "ticks and ignores them (session). Floor rows record nothing.\n")
-    print("| workload | agent does | no profiler | corsnap | slowdown | paired | added per unit | target |")
-    print("|---|---|---|---|---|---|---|---|")
-    labels = {"record": "records", "monitor": "floor: callbacks only", "walk": "floor: callbacks + walk",
-              "session": "floor: the runtime's allocation events only"}
-    for workload in chosen:
-        event, unit, per_item, target = WORKLOADS[workload]
-        base_times = results[(workload, "none")]
-        base = statistics.median(base_times)
-        units = sizes[workload] * per_item
-        for mode in modes(workload)[1:]:
-            times = results[(workload, mode)]
-            prof = statistics.median(times)
-            added_us = (prof - base) * 1000 / units
-            print(f"| {workload} (`--event {event}`) | {labels[mode]} | {base:.0f} ms | {prof:.0f} ms "
-                  f"| {prof / base:.3f} ({(prof / base - 1) * 100:+.1f}%) | {paired_slowdown(base_times, times)} "
-                  f"| {added_us:.2f} µs per {unit} (of {base * 1000 / units:.2f}) "
-                  f"| {target if mode == 'record' else '-'} |")
+          "Floor rows record nothing: the agent only takes the runtime's exception callbacks (monitor), and also\n"
+          "makes the synchronous walk exact stacks need, with either walker; or it runs the EventPipe session that\n"
+          "delivers allocation ticks and ignores them (session). corsnap's share: of the CPU profile recorded with\n"
+          "the exceptions (the weight of stacks with a frame of corsnap's agent), median and range over rounds.\n")
+    print("| .NET | workload | agent does | no profiler | corsnap | slowdown | paired | added per unit | target |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for rt in runtimes:
+        for workload in chosen:
+            event, unit, per_item, target = WORKLOADS[workload]
+            base_times = results[(rt, workload, "none")]
+            base = statistics.median(base_times)
+            units = sizes[workload] * per_item
+            for mode in modes(workload)[1:]:
+                times = results[(rt, workload, mode)]
+                prof = statistics.median(times)
+                added_us = (prof - base) * 1000 / units
+                note = target if mode == "record" else "-"
+                if mode.startswith("cpu"):
+                    sh = sorted(shares[(rt, workload, mode)])
+                    note = (f"corsnap {statistics.median(sh) * 100:.1f}% of CPU ({sh[0] * 100:.1f}..{sh[-1] * 100:.1f})"
+                            + (" (target 2%)" if mode == "cpu" else ""))
+                print(f"| {rt} | {workload} (`-e {event}`) | {LABELS[mode]} | {base:.0f} ms | {prof:.0f} ms "
+                      f"| {prof / base:.3f} ({(prof / base - 1) * 100:+.1f}%) | {paired_slowdown(base_times, times)} "
+                      f"| {added_us:.2f} µs per {unit} (of {base * 1000 / units:.2f}) | {note} |")
+            if workload == "alloc" and args.floors:
+                session = statistics.median(results[(rt, workload, "session")])
+                for mode in ["record", "record-snapshot"]:
+                    prof = statistics.median(results[(rt, workload, mode)])
+                    print(f"| {rt} | alloc | corsnap's share over the runtime's delivery ({LABELS[mode]}) | | | "
+                          f"{(prof - session) / base * 100:+.1f}% of the run | | | |")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@
 //   dotnet events.dll requests N     -- N requests, each parsing 64 numbers out
 //                                       of text; every other request has a
 //                                       malformed one, and int.Parse throws
+//   dotnet events.dll validate N     -- N records validated by two thread-pool
+//                                       workers (N/2 each); one record in four
+//                                       is bad and its validation throws a
+//                                       ValidationException 3 frames down
 using System;
 using System.Collections.Generic;
 using System.Diagnostics;
@@ -80,6 +84,59 @@ public static class Events
         }
     }
 
+    sealed class ValidationException : Exception
+    {
+        public ValidationException(string message) : base(message) { }
+    }
+
+    static readonly string[] s_records = MakeRecords();
+
+    static string[] MakeRecords()
+    {
+        var records = new string[256];
+        for (int k = 0; k < records.Length; k++)
+        {
+            records[k] = k % 4 == 3 ? $"sku-{k},-{k},9.99" : $"sku-{k},{k % 50 + 1},{k % 17}.{k % 100:D2}";
+        }
+        return records;
+    }
+
+    [MethodImpl(MethodImplOptions.NoInlining)]
+    static void CheckQuantity(int quantity, string record)
+    {
+        if (quantity <= 0) throw new ValidationException("bad quantity in " + record);
+    }
+
+    [MethodImpl(MethodImplOptions.NoInlining)]
+    static long ValidateRecord(string record)
+    {
+        var fields = record.Split(',');
+        int quantity = int.Parse(fields[1], System.Globalization.CultureInfo.InvariantCulture);
+        decimal price = decimal.Parse(fields[2], System.Globalization.CultureInfo.InvariantCulture);
+        CheckQuantity(quantity, record);
+        return (long)(quantity * price) + fields[0].GetHashCode() % 7;
+    }
+
+    [MethodImpl(MethodImplOptions.NoInlining)]
+    static long ValidateBatch(long n, int offset)
+    {
+        long accepted = 0;
+        for (long i = 0; i < n; i++)
+        {
+            try { accepted += ValidateRecord(s_records[(i + offset) % s_records.Length]); }
+            catch (ValidationException) { accepted--; }
+        }
+        return accepted;
+    }
+
+    [MethodImpl(MethodImplOptions.NoInlining)]
+    static void Validate(long n)
+    {
+        var a = System.Threading.Tasks.Task.Run(() => ValidateBatch(n / 2, 0));
+        var b = System.Threading.Tasks.Task.Run(() => ValidateBatch(n - n / 2, 128));
+        s_sink += a.Result + b.Result;
+    }
+
     public static int Main(string[] args)
     {
         string kind = args[0];
@@ -87,6 +144,7 @@ public static class Events
         Action<long> work = Alloc;
         if (kind == "exceptions") work = Exceptions;
         if (kind == "requests") work = Requests;
+        if (kind == "validate") work = Validate;
         work(100); // JIT before the clock
         var sw = Stopwatch.StartNew();
         work(n);

@@ -17,6 +17,7 @@
 #![cfg(all(target_os = "linux", target_arch = "x86_64"))]
 
 mod callback;
+pub mod event_walk;
 mod info;
 mod metadata;
 mod native_thread;

@@ -437,11 +437,11 @@ impl ThreadSlot {
 
 /// What the handler may read: the interrupted thread's stack, and code the
 /// map lists.
-struct LiveMemory<'a> {
-    stack: std::ops::Range<u64>,
-    map: &'a CodeMap,
+pub(crate) struct LiveMemory<'a> {
+    pub(crate) stack: std::ops::Range<u64>,
+    pub(crate) map: &'a CodeMap,
     /// The runtime's object for the interrupted thread, 0 if unknown.
-    runtime_thread: u64,
+    pub(crate) runtime_thread: u64,
 }
 
 impl Memory for LiveMemory<'_> {

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
+use corsnap_abi::event_walk::{walk_own_stack, OwnStackCopy};
 use corsnap_abi::{ClassID, CorProfilerInfo, ThreadID};
 use corsnap_wire::EventKind;
 
@@ -27,8 +28,15 @@ const MAX_EVENT_FRAMES: usize = 1024;
 /// stacks spill to the heap.
 const INLINE_FRAMES: usize = 128;
 /// Words ahead of the frames in a tally key: kind, thread, OS thread, class,
-/// truncated.
+/// and the stack's form ([`TRUNCATED_BIT`], [`RAW_BIT`], walk flags above).
 const KEY_HEAD: usize = 5;
+/// In a tally key's last head word: the stack was cut short.
+const TRUNCATED_BIT: u64 = 1;
+/// In a tally key's last head word: the frames are raw addresses from the
+/// native walker (its walk flags from bit 8 on), not `FunctionID`s.
+const RAW_BIT: u64 = 2;
+/// Frames a native walk keeps (the signal engine's limit).
+const NATIVE_FRAMES: usize = corsnap_abi::signal::MAX_FRAMES;
 /// Tally shards, picked by thread, so threads throwing at once rarely meet
 /// on a lock.
 const TALLY_SHARDS: usize = 8;
@@ -103,10 +111,51 @@ pub struct PendingEvent {
     pub thread: ThreadID,
     pub os_tid: u32,
     pub subject: Subject,
-    /// Leaf first, as the walk reports them.
+    /// Leaf first, as the walk reports them: `FunctionID`s (0 for a run of
+    /// native code), or with `raw`, the native walker's raw addresses.
     pub frames: Vec<u64>,
     pub truncated: bool,
     pub weight: u64,
+    pub raw: Option<RawWalk>,
+    /// `CORSNAP_VERIFY_EVENT_WALKS=1` (tests only): the same event's stack
+    /// by `DoStackSnapshot`, to compare with the native walk's.
+    pub referee: Option<Vec<u64>>,
+}
+
+/// How the native walker left an event's frames: raw addresses, to be
+/// named on the sampler thread ([`crate::event_walks::EventWalker`]).
+#[derive(Debug, Clone)]
+pub struct RawWalk {
+    /// `corsnap_unwind::flags` of the walk.
+    pub flags: u32,
+    /// The stack, when the walk met code not known yet.
+    pub copy: Option<OwnStackCopy>,
+}
+
+/// A stack captured for a queued (not tallied) event.
+#[derive(Debug)]
+pub struct Captured {
+    pub frames: Vec<u64>,
+    pub truncated: bool,
+    pub raw: Option<RawWalk>,
+}
+
+/// Walks the calling thread's stack for a queued event: with corsnap's own
+/// unwinder when `native` and it can serve, else `DoStackSnapshot`.
+pub fn capture_own_stack(info: &CorProfilerInfo, native: bool, thread: ThreadID) -> Captured {
+    if native {
+        let mut out = [0u64; NATIVE_FRAMES];
+        let mut copy = None;
+        if let Ok(walk) = walk_own_stack(thread as u64, &mut out, &mut copy) {
+            return Captured {
+                frames: out[..walk.len].to_vec(),
+                truncated: walk.flags & corsnap_unwind::flags::TRUNCATED != 0,
+                raw: Some(RawWalk { flags: walk.flags, copy }),
+            };
+        }
+    }
+    let (frames, truncated) = own_stack(info);
+    Captured { frames, truncated, raw: None }
 }
 
 /// A collection in progress, between `GarbageCollectionStarted` and
@@ -119,8 +168,7 @@ struct GcInProgress {
     reason: u32,
     thread: ThreadID,
     os_tid: u32,
-    frames: Vec<u64>,
-    truncated: bool,
+    stack: Captured,
 }
 
 /// A finished collection, for the list and the profile.
@@ -186,7 +234,31 @@ pub struct EventQueue {
 
 /// Walks the calling thread's own stack as a tallied event would, and
 /// keeps nothing: what the walk costs by itself, for the benchmarks' floor.
-pub fn walk_own_stack_only(info: &CorProfilerInfo) {
+/// A native walk that met code not known yet still hands its copy to the
+/// sampler thread (with no weight: it is learned from, not recorded), as the
+/// floor would otherwise walk unknown code, and copy stacks, for ever.
+pub fn walk_own_stack_only(queue: &EventQueue, info: &CorProfilerInfo, native: bool, thread: ThreadID) {
+    if native {
+        let mut out = [0u64; NATIVE_FRAMES];
+        let mut copy = None;
+        if let Ok(walk) = walk_own_stack(thread as u64, &mut out, &mut copy) {
+            if copy.is_some() {
+                queue.push(PendingEvent {
+                    kind: EventKind::Exceptions,
+                    time_ns: 0,
+                    thread,
+                    os_tid: 0,
+                    subject: Subject::Text(String::new()),
+                    frames: out[..walk.len].to_vec(),
+                    truncated: false,
+                    weight: 0,
+                    raw: Some(RawWalk { flags: walk.flags, copy }),
+                    referee: None,
+                });
+            }
+            return;
+        }
+    }
     OwnStack::walk(info);
 }
 
@@ -254,19 +326,66 @@ fn tally_shard(thread: ThreadID) -> usize {
 
 impl EventQueue {
     /// Counts an event whose subject is a class (an exception's type, a
-    /// loaded class), with the calling thread's stack.
+    /// loaded class), with the calling thread's stack: walked by corsnap's
+    /// own unwinder when `native` and it can serve (no allocation, no call
+    /// into the runtime, for a stack whose code is known), else by
+    /// `DoStackSnapshot`.
+    #[allow(clippy::too_many_arguments)]
     pub fn count_class_event(
         &self,
         info: &CorProfilerInfo,
+        native: bool,
         kind: EventKind,
         thread: ThreadID,
         os_tid: u32,
         class: ClassID,
-        now_ns: impl FnOnce() -> u64,
+        now_ns: impl Fn() -> u64,
     ) {
+        if native && self.count_natively(kind, thread, os_tid, class, &now_ns) {
+            return;
+        }
         let mut stack = OwnStack::walk(info);
-        let head = [kind as u64, thread as u64, os_tid as u64, class as u64, stack.truncated as u64];
+        let head = [kind as u64, thread as u64, os_tid as u64, class as u64, stack.truncated as u64 * TRUNCATED_BIT];
         stack.with_key(head, |key| self.tally(kind, now_ns, thread, key));
+    }
+
+    /// The native walker's half of [`Self::count_class_event`]; `false` if
+    /// it cannot serve (no map yet, a stack the map does not list yet).
+    #[inline(never)]
+    fn count_natively(
+        &self,
+        kind: EventKind,
+        thread: ThreadID,
+        os_tid: u32,
+        class: ClassID,
+        now_ns: impl Fn() -> u64,
+    ) -> bool {
+        let mut words = [0u64; KEY_HEAD + NATIVE_FRAMES];
+        let mut copy = None;
+        let Ok(walk) = walk_own_stack(thread as u64, &mut words[KEY_HEAD..], &mut copy) else { return false };
+        let truncated = walk.flags & corsnap_unwind::flags::TRUNCATED != 0;
+        if copy.is_some() {
+            // Met code not known yet: its frames past that code are guesses
+            // until the sampler thread has learned it and walked the copy
+            // again, so this one goes by itself, counted once.
+            self.push(PendingEvent {
+                kind,
+                time_ns: now_ns(),
+                thread,
+                os_tid,
+                subject: Subject::Class(class),
+                frames: words[KEY_HEAD..KEY_HEAD + walk.len].to_vec(),
+                truncated,
+                weight: 1,
+                raw: Some(RawWalk { flags: walk.flags, copy }),
+                referee: None,
+            });
+            return true;
+        }
+        let form = (truncated as u64 * TRUNCATED_BIT) | RAW_BIT | (u64::from(walk.flags) << 8);
+        words[..KEY_HEAD].copy_from_slice(&[kind as u64, thread as u64, os_tid as u64, class as u64, form]);
+        self.tally(kind, now_ns, thread, &words[..KEY_HEAD + walk.len]);
+        true
     }
 
     /// Counts one more occurrence of `key` (a [`KEY_HEAD`] head, then the
@@ -307,8 +426,10 @@ impl EventQueue {
                 os_tid: key[2] as u32,
                 subject: Subject::Class(key[3] as ClassID),
                 frames: key[KEY_HEAD..].to_vec(),
-                truncated: key[4] != 0,
+                truncated: key[4] & TRUNCATED_BIT != 0,
                 weight: t.count,
+                raw: (key[4] & RAW_BIT != 0).then(|| RawWalk { flags: (key[4] >> 8) as u32, copy: None }),
+                referee: None,
             }));
         }
         events.sort_by_key(|e| e.time_ns);
@@ -324,6 +445,7 @@ impl EventQueue {
     pub fn gc_started(
         &self,
         info: &CorProfilerInfo,
+        native: bool,
         time_ns: u64,
         generations: &[bool],
         reason: u32,
@@ -337,17 +459,9 @@ impl EventQueue {
         // The thread that starts a blocking collection is the one that
         // triggered it; its stack says why (a background GC's thread has no
         // managed frames and yields an empty stack).
-        let (frames, truncated) = own_stack(info);
-        *self.gc_in_progress.lock().unwrap_or_else(|p| p.into_inner()) = Some(GcInProgress {
-            started: Instant::now(),
-            time_ns,
-            generation,
-            reason,
-            thread,
-            os_tid,
-            frames,
-            truncated,
-        });
+        let stack = capture_own_stack(info, native, thread);
+        *self.gc_in_progress.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some(GcInProgress { started: Instant::now(), time_ns, generation, reason, thread, os_tid, stack });
     }
 
     pub fn gc_finished(&self) {
@@ -363,9 +477,11 @@ impl EventQueue {
             thread: gc.thread,
             os_tid: gc.os_tid,
             subject: Subject::Text(format!("[gen{} GC, {reason}]", gc.generation)),
-            frames: gc.frames,
-            truncated: gc.truncated,
+            frames: gc.stack.frames,
+            truncated: gc.stack.truncated,
             weight: pause_ns.max(1),
+            raw: gc.stack.raw,
+            referee: None,
         });
         self.gcs.lock().unwrap_or_else(|p| p.into_inner()).push(FinishedGc {
             time_ns: gc.time_ns,
@@ -437,6 +553,26 @@ mod tests {
             "ordered by first occurrence"
         );
         assert!(queue.take().is_empty());
+    }
+
+    #[test]
+    fn native_walks_are_tallied_with_their_walk_flags_and_taken_as_raw_frames() {
+        let queue = EventQueue::default();
+        let form = RAW_BIT | u64::from(corsnap_unwind::flags::COMPLETE | corsnap_unwind::flags::UNKNOWN_CODE) << 8;
+        let raw_key = [EventKind::Exceptions as u64, 0x10, 7, 0xc1, form, 0xaaa, 0xbbb];
+        for _ in 0..3 {
+            queue.tally(EventKind::Exceptions, || 1, 0x10, &raw_key);
+        }
+        // The same class and thread walked by DoStackSnapshot: another stack.
+        queue.tally(EventKind::Exceptions, || 2, 0x10, &key(EventKind::Exceptions, 0x10, 0xc1, &[0xaaa, 0xbbb]));
+        let events = queue.take();
+        assert_eq!(events.len(), 2);
+        let native = &events[0];
+        assert_eq!((native.weight, native.frames.as_slice(), native.truncated), (3, &[0xaaa, 0xbbb][..], false));
+        let raw = native.raw.as_ref().expect("raw frames");
+        assert_eq!(raw.flags, corsnap_unwind::flags::COMPLETE | corsnap_unwind::flags::UNKNOWN_CODE);
+        assert!(raw.copy.is_none());
+        assert!(events[1].raw.is_none() && events[1].weight == 1);
     }
 
     #[test]

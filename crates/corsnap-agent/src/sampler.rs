@@ -21,6 +21,7 @@ use corsnap_wire::{EventKind, Message, SampleHead, SamplerStats};
 use crate::budget::PauseBudget;
 use crate::events::Subject;
 
+use crate::event_walks::EventWalker;
 use crate::log;
 use crate::names::NameResolver;
 use crate::signal_engine::{FrameName, SignalEngine};
@@ -360,6 +361,14 @@ struct SamplerLoop {
     verify: Option<WalkVerification>,
     /// The name last sent for each OS thread the signal engine sampled.
     signal_threads: HashMap<u32, Option<String>>,
+    /// Names event stacks walked by corsnap's own unwinder (`--walker
+    /// native`); `None` when events are walked by `DoStackSnapshot`.
+    event_walker: Option<EventWalker>,
+    /// Whether each `FunctionID` met at the top of an exception's stack is
+    /// the runtime's managed exception dispatch.
+    dispatch_functions: HashMap<u64, bool>,
+    /// `CORSNAP_VERIFY_EVENT_WALKS=1`: event stacks compared.
+    event_verification: WalkVerification,
     /// The kernel's name last sent for each OS thread, and when it was
     /// first sent (names are looked at again for a while: the runtime names
     /// a thread just after starting it).
@@ -390,6 +399,19 @@ impl SamplerLoop {
         let records_events = [EventKind::Exceptions, EventKind::Gc, EventKind::ClassLoad, EventKind::Alloc]
             .iter()
             .any(|&k| shared.records(k));
+        let event_walker = if records_events && shared.native_event_walks {
+            match EventWalker::start(shared.info) {
+                Ok(walker) => Some(walker),
+                Err(why) => {
+                    let text = format!("{why}; event stacks are walked by DoStackSnapshot instead");
+                    log::write(format_args!("{text}"));
+                    shared.post(Message::Notice { severity: corsnap_wire::Severity::Warning, text });
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
         SamplerLoop {
             started: shared.epoch,
@@ -416,6 +438,9 @@ impl SamplerLoop {
             signal_samples: Vec::new(),
             signal_rate,
             signal_threads: HashMap::new(),
+            event_walker,
+            dispatch_functions: HashMap::new(),
+            event_verification: WalkVerification::default(),
             kernel_names: HashMap::new(),
             verify: std::env::var("CORSNAP_VERIFY_WALKS").is_ok_and(|v| v == "1").then(WalkVerification::default),
         }
@@ -525,6 +550,19 @@ impl SamplerLoop {
             self.publish_signal_samples();
         }
         self.publish_events();
+        if let Some(walker) = self.event_walker.as_mut() {
+            walker.stop();
+        }
+        if self.shared.verify_event_walks {
+            let v = &self.event_verification;
+            let text = format!(
+                "event walk verification: {} stacks compared with DoStackSnapshot of the same event, {} with the same \
+                 managed frames",
+                v.compared, v.identical
+            );
+            log::write(format_args!("{text}"));
+            self.channel.queue(&Message::Notice { severity: corsnap_wire::Severity::Info, text });
+        }
         log::write(format_args!("sampler stopping: {reason}; {:?}", self.stats));
         self.queue_stats();
         self.channel.queue(&Message::Goodbye { reason });
@@ -935,7 +973,11 @@ impl SamplerLoop {
     /// Sends what the runtime's callbacks queued: exceptions, class loads,
     /// collections.
     fn publish_events(&mut self) {
-        let events = self.shared.events.take();
+        if let Some(walker) = self.event_walker.as_mut() {
+            let announced = self.shared.threads_changed_for_events.swap(false, std::sync::atomic::Ordering::Relaxed);
+            walker.refresh(announced);
+        }
+        let mut events = self.shared.events.take();
         let gcs = self.shared.events.take_gcs();
         if events.is_empty() && gcs.is_empty() {
             return;
@@ -944,9 +986,38 @@ impl SamplerLoop {
         threads.sort_unstable();
         threads.dedup();
         self.describe_threads(&threads);
+        for event in &mut events {
+            let Some(raw) = event.raw.take() else { continue };
+            let Some(walker) = self.event_walker.as_mut() else {
+                // Cannot happen: only a running walker's map produces raw frames.
+                event.frames.clear();
+                continue;
+            };
+            let (mut frames, truncated) = walker.resolve(&event.frames, raw.flags, raw.copy.as_ref());
+            self.leave_out_dispatch(&mut frames);
+            event.frames = frames;
+            event.truncated |= truncated;
+            if let Some(referee) = event.referee.take() {
+                self.verify_event_walk(event.kind, &event.frames, &referee);
+            }
+        }
+        if let Some(walker) = self.event_walker.as_mut() {
+            for name in walker.take_names() {
+                match name {
+                    FrameName::Managed(function) => self.describe_function(function),
+                    FrameName::Native { key, name, module } => {
+                        self.channel.queue(&Message::Function { function_id: key, name, module });
+                    }
+                }
+            }
+        }
+        // Walks made only to learn from (the benchmarks' floor) weigh nothing.
+        events.retain(|e| e.weight > 0);
         for event in events {
             for &function in &event.frames {
-                self.describe_function(function as FunctionID);
+                if function & corsnap_wire::NATIVE_FRAME_BIT == 0 {
+                    self.describe_function(function as FunctionID);
+                }
             }
             let leaf = match &event.subject {
                 Subject::Class(class) => self.names.class_name(*class),
@@ -977,6 +1048,63 @@ impl SamplerLoop {
                 pause_ns: gc.pause_ns,
             });
         }
+    }
+
+    /// On .NET 9 and later an exception is dispatched by managed code
+    /// (`System.Runtime.EH`, calling into the runtime and so to us): its
+    /// frames, and the runtime's native ones around them, sit above the
+    /// frame that threw. `DoStackSnapshot` starts at that frame, and so
+    /// does an exception's stack (and an allocation's made by the dispatch,
+    /// which `DoStackSnapshot` also charges to that frame).
+    fn leave_out_dispatch(&mut self, frames: &mut Vec<u64>) {
+        let mut leading = 0;
+        for &key in frames.iter() {
+            let dispatch = key & corsnap_wire::NATIVE_FRAME_BIT != 0 || {
+                if self.dispatch_functions.len() >= CACHE_CAP {
+                    self.dispatch_functions.clear();
+                }
+                let names = &mut self.names;
+                *self.dispatch_functions.entry(key).or_insert_with(|| {
+                    names.resolve(key as FunctionID).is_ok_and(|n| n.name.starts_with("System.Runtime.EH."))
+                })
+            };
+            if !dispatch {
+                break;
+            }
+            leading += 1;
+        }
+        // A stack of dispatch alone (nothing threw from managed code) stays.
+        if leading < frames.len() {
+            frames.drain(..leading);
+        }
+    }
+
+    /// `CORSNAP_VERIFY_EVENT_WALKS=1`: the managed frames of an event's
+    /// native walk (named) against `DoStackSnapshot`'s of the same event.
+    fn verify_event_walk(&mut self, kind: EventKind, native: &[u64], referee: &[u64]) {
+        let managed = |frames: &[u64]| -> Vec<u64> {
+            frames.iter().copied().filter(|&f| f != 0 && f & corsnap_wire::NATIVE_FRAME_BIT == 0).collect()
+        };
+        let (ours, theirs) = (managed(native), managed(referee));
+        let check = &mut self.event_verification;
+        check.compared += 1;
+        if ours == theirs {
+            check.identical += 1;
+            return;
+        }
+        if check.logged >= 20 {
+            return;
+        }
+        check.logged += 1;
+        let mut name =
+            |f: u64| self.names.resolve(f as FunctionID).map_or_else(|e| format!("{f:#x} ({e})"), |n| n.name);
+        let ours: Vec<String> = ours.iter().map(|&f| name(f)).collect();
+        let theirs: Vec<String> = theirs.iter().map(|&f| name(f)).collect();
+        log::write(format_args!(
+            "event walk verification ({kind:?}): native {} but DoStackSnapshot {}",
+            ours.join(" <- "),
+            theirs.join(" <- ")
+        ));
     }
 
     fn describe_function(&mut self, function: FunctionID) {

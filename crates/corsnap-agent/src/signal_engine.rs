@@ -1116,7 +1116,7 @@ fn is_agent_thread(tid: u32) -> bool {
 /// keeps its stack as it is. `funclets`: (index in `frames`, leaf first; the
 /// method's frame key), in order.
 /// `il_offsets`, one per frame, lose the same frames.
-fn fold_funclets(frames: &mut Vec<u64>, il_offsets: &mut Vec<u32>, funclets: &[(usize, u64)]) {
+pub(crate) fn fold_funclets(frames: &mut Vec<u64>, il_offsets: &mut Vec<u32>, funclets: &[(usize, u64)]) {
     // From the root end, so earlier indices stay valid.
     for &(at, method) in funclets.iter().rev() {
         if at >= frames.len() || frames[at] != method {

@@ -119,14 +119,45 @@ pub trait Memory {
     }
 }
 
-/// Scratch space for native unwinding: framehop's rule cache and gimli's
-/// evaluation storage, allocated once. One per walking thread (each thread's
-/// signal handler has its own).
-pub struct WalkCache(CacheX86_64<MustNotAllocateDuringUnwind>);
+/// Scratch space for unwinding: framehop's rule cache and gimli's
+/// evaluation storage, and where managed frames met before have their
+/// function-table entries; allocated once. One per walking thread (each
+/// thread's signal handler has its own).
+pub struct WalkCache {
+    rules: CacheX86_64<MustNotAllocateDuringUnwind>,
+    /// Direct-mapped by address: a managed frame met again skips two binary
+    /// searches (its region, and its function in a table that for CoreLib's
+    /// image is large and cold in the CPU's caches).
+    managed: Box<[ManagedHit; MANAGED_HITS]>,
+}
+
+/// A managed frame's lookup address in one map, and where its region and
+/// function-table entry are.
+#[derive(Debug, Clone, Copy, Default)]
+struct ManagedHit {
+    generation: u64,
+    address: u64,
+    region: u32,
+    /// Byte offset of the `RUNTIME_FUNCTION` in the region's table.
+    entry: u32,
+}
+
+const MANAGED_HITS: usize = 509;
 
 impl WalkCache {
     pub fn new() -> Self {
-        WalkCache(CacheX86_64::new_in())
+        WalkCache { rules: CacheX86_64::new_in(), managed: Box::new([ManagedHit::default(); MANAGED_HITS]) }
+    }
+
+    fn managed_hit(&self, generation: u64, address: u64) -> Option<ManagedHit> {
+        let hit = self.managed[(address % MANAGED_HITS as u64) as usize];
+        (generation != 0 && hit.generation == generation && hit.address == address).then_some(hit)
+    }
+
+    fn remember_managed(&mut self, hit: ManagedHit) {
+        if hit.generation != 0 {
+            self.managed[(hit.address % MANAGED_HITS as u64) as usize] = hit;
+        }
     }
 }
 
@@ -242,6 +273,12 @@ pub struct CodeMap {
     /// glibc's `__restore_rt`: a return address equal to it marks a signal
     /// frame. 0 if unknown.
     sigreturn: u64,
+    /// Unique to this map (0 for an empty default one): what a
+    /// [`WalkCache`]'s managed entries were found in.
+    generation: u64,
+    /// Code a walk ends at, as if it were the root: a frame in it is kept
+    /// and nothing beyond it is walked (see [`CodeMap::with_roots`]).
+    roots: Vec<Range<u64>>,
     /// The runtime's hijack trampoline, stepped over by its prologue rather
     /// than by its (misleading) CFI.
     hijack_stub: Option<HijackStub>,
@@ -285,20 +322,44 @@ impl CodeMap {
             kept.push(m);
         }
         stacks.sort_by_key(|r| r.start);
-        CodeMap { natives, unwinder, managed: kept, stacks, sigreturn, hijack_stub: None }
+        static GENERATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let generation = GENERATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        CodeMap {
+            natives,
+            unwinder,
+            managed: kept,
+            stacks,
+            sigreturn,
+            generation,
+            roots: Vec::new(),
+            hijack_stub: None,
+        }
+    }
+
+    /// Walks end at a frame in `roots` (kept, marked complete) instead of
+    /// going on to the thread's real root: for code known never to call
+    /// managed code again below itself (the .NET host's start-up), which a
+    /// caller that walks often and shows those frames folded anyway can
+    /// skip.
+    pub fn with_roots(mut self, roots: Vec<Range<u64>>) -> CodeMap {
+        self.roots = roots;
+        self
     }
 
     /// A map with this one's native modules and new managed code and
     /// stacks. The native unwinder is kept whole, and with it the
     /// generation framehop's per-thread rule caches are keyed by: a map
     /// built afresh empties every thread's cache of native unwind rules,
-    /// and the engine publishes a map each time it learns code.
+    /// and the engine publishes a map each time it learns code. (Managed
+    /// code changed: the map's own generation, which a walk cache's managed
+    /// entries are keyed by, is new.)
     pub fn with_same_natives(&self, managed: Vec<ManagedCode>, stacks: Vec<Range<u64>>) -> CodeMap {
         let fresh = CodeMap::new(Vec::new(), managed, stacks, self.sigreturn);
         CodeMap {
             natives: self.natives.clone(),
             unwinder: self.unwinder.clone(),
             hijack_stub: self.hijack_stub.clone(),
+            roots: self.roots.clone(),
             ..fresh
         }
     }
@@ -315,6 +376,12 @@ impl CodeMap {
 
     pub fn managed(&self) -> &[ManagedCode] {
         &self.managed
+    }
+
+    /// The index in `managed` of the region containing `addr`.
+    fn managed_index_at(&self, addr: u64) -> Option<usize> {
+        let i = self.managed.partition_point(|m| m.code.start <= addr).checked_sub(1)?;
+        (addr < self.managed[i].code.end).then_some(i)
     }
 
     /// The managed region containing `addr`.
@@ -425,6 +492,10 @@ pub fn walk_until<M: Memory>(
         };
         *slot = if exact { regs.ip | EXACT_IP } else { regs.ip };
         len += 1;
+        if !map.roots.is_empty() && map.roots.iter().any(|r| r.contains(&regs.ip)) {
+            flags |= flags::COMPLETE;
+            break;
+        }
         if !exact && map.sigreturn != 0 && regs.ip == map.sigreturn {
             // The handler's frame returned into the kernel's signal
             // trampoline: the saved context (`ucontext_t`) starts right where
@@ -444,10 +515,19 @@ pub fn walk_until<M: Memory>(
         }
         let lookup = if exact { regs.ip } else { regs.ip - 1 };
         let mut unknown = false;
-        let step = if let Some(region) = map.managed_at(lookup).filter(|r| r.frameless) {
+        let hit = cache.managed_hit(map.generation, lookup);
+        let region_index = hit.map(|h| h.region as usize).or_else(|| map.managed_index_at(lookup));
+        let region = region_index.and_then(|i| map.managed.get(i));
+        let step = if let Some(region) = region.filter(|r| r.frameless) {
             stub_step(map, mem, regs, exact, region)
-        } else if let Some(region) = map.managed_at(lookup) {
-            match managed_step(region, mem, regs, exact) {
+        } else if let Some(region) = region {
+            let mut entry = hit.map(|h| h.entry);
+            let step = managed_step(region, mem, regs, exact, &mut entry);
+            if let (None, Some(entry), Some(i)) = (hit, entry, region_index) {
+                let hit = ManagedHit { generation: map.generation, address: lookup, region: i as u32, entry };
+                cache.remember_managed(hit);
+            }
+            match step {
                 Some(Step::Next(mut next)) => {
                     // Managed code returns into native code only at a few
                     // transitions (the thread's entry, callbacks from native
@@ -518,7 +598,7 @@ fn native_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool, cache
     };
     let mut fregs = UnwindRegsX86_64::new(regs.ip, regs.sp, regs.bp);
     let mut read = |addr: u64| mem.stack_word(addr).ok_or(());
-    match map.unwinder.unwind_frame(address, &mut fregs, &mut cache.0, &mut read) {
+    match map.unwinder.unwind_frame(address, &mut fregs, &mut cache.rules, &mut read) {
         Ok(Some(ra)) => Step::Next(Regs { ip: ra, sp: fregs.sp(), bp: fregs.bp() }),
         Ok(None) => Step::Done,
         Err(_) => Step::Lost,
@@ -576,12 +656,27 @@ fn jumps_within(code: &[u8], at: u64, begin: u64, end: u64) -> bool {
     target > begin && target < end
 }
 
-fn managed_step<M: Memory>(region: &ManagedCode, mem: &M, regs: Regs, exact: bool) -> Option<Step> {
+/// `entry`: the byte offset of the frame's `RUNTIME_FUNCTION` in the
+/// region's table, if known (a [`WalkCache`] hit); set when found.
+fn managed_step<M: Memory>(
+    region: &ManagedCode,
+    mem: &M,
+    regs: Regs,
+    exact: bool,
+    entry: &mut Option<u32>,
+) -> Option<Step> {
     let lookup = if exact { regs.ip } else { regs.ip - 1 };
-    let entries = FunctionTableEntries::parse(&region.functions);
     let lookup_rva = u32::try_from(lookup.checked_sub(region.base)?).ok()?;
     // pe-unwind-info pops a return address when the table has no entry:
-    // only ask it about addresses that have one.
+    // only ask it about addresses that have one. It is handed a table of
+    // that one entry: it looks the address up again itself, and a search of
+    // a large image's table (CoreLib's) is cache misses all the way down.
+    let at = match *entry {
+        Some(at) => at as usize,
+        None => function_entry(&region.functions, lookup_rva)?,
+    };
+    *entry = u32::try_from(at).ok();
+    let entries = FunctionTableEntries::parse(region.functions.get(at..at + 12)?);
     let function = entries.lookup(lookup_rva)?;
     // A call as a function's last instruction returns to the first byte
     // after it; unwind as from inside the function then.
@@ -634,6 +729,26 @@ fn managed_step<M: Memory>(region: &ManagedCode, mem: &M, regs: Regs, exact: boo
         Some(ra) => Step::Next(Regs { ip: ra, sp: state.sp, bp: state.bp }),
         None => Step::Lost,
     })
+}
+
+/// The byte offset of the 12-byte `RUNTIME_FUNCTION` (begin, end,
+/// unwind-info RVAs) of a table sorted by begin address whose range holds
+/// `rva`.
+fn function_entry(table: &[u8], rva: u32) -> Option<usize> {
+    let rva_at = |i: usize, field: usize| -> Option<u32> {
+        Some(u32::from_le_bytes(table.get(i * 12 + field..i * 12 + field + 4)?.try_into().ok()?))
+    };
+    let (mut lo, mut hi) = (0usize, table.len() / 12);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if rva_at(mid, 0)? <= rva {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    let i = lo.checked_sub(1)?;
+    (rva < rva_at(i, 4)?).then_some(i * 12)
 }
 
 /// The size of an `UNWIND_INFO` record from its 4-byte header: the codes

@@ -93,6 +93,37 @@ impl SamplerKind {
     }
 }
 
+/// How a launched agent walks event stacks: `native` or `snapshot`.
+pub const ENV_WALKER: &str = "CORSNAP_WALKER";
+
+/// How event stacks (exceptions, allocation ticks, class loads, collections)
+/// are walked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WalkerKind {
+    /// corsnap's own unwinder, on the thread the event happens on, raw
+    /// addresses named later (where it can serve; else as `Snapshot`).
+    Native,
+    /// The runtime's `DoStackSnapshot` of the current thread.
+    Snapshot,
+}
+
+impl WalkerKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            WalkerKind::Native => "native",
+            WalkerKind::Snapshot => "snapshot",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<WalkerKind> {
+        match s {
+            "native" => Some(WalkerKind::Native),
+            "snapshot" => Some(WalkerKind::Snapshot),
+            _ => None,
+        }
+    }
+}
+
 /// Bit 63 of a frame id marks a native frame (a symbol, or an address with
 /// no symbol), named by a `Function` message like managed frames are; no
 /// `FunctionID` (a pointer) ever has it.
@@ -887,6 +918,9 @@ pub struct AttachRequest {
     pub sampler: SamplerKind,
     /// The signal engine's clock: POSIX timers instead of perf events.
     pub timers: bool,
+    /// How event stacks are walked; a request without it means `snapshot`
+    /// (what agents before the native walker did).
+    pub walker: WalkerKind,
     /// Folders to search for native debug files (`--symbols`), absolute.
     pub symbols: Vec<String>,
 }
@@ -904,6 +938,9 @@ impl AttachRequest {
         }
         if self.timers {
             s.push_str("clock=timer\n");
+        }
+        if self.walker != WalkerKind::Snapshot {
+            s.push_str(&format!("walker={}\n", self.walker.name()));
         }
         if let Some(log) = &self.log {
             s.push_str(&format!("log={log}\n"));
@@ -932,6 +969,7 @@ impl AttachRequest {
         let mut max_pause_ppm = DEFAULT_MAX_PAUSE_PPM;
         let mut sampler = SamplerKind::Suspend;
         let mut timers = false;
+        let mut walker = WalkerKind::Snapshot;
         let mut symbols = Vec::new();
         for line in lines {
             match line.split_once('=')? {
@@ -943,6 +981,7 @@ impl AttachRequest {
                 ("sampler", v) => sampler = SamplerKind::parse(v)?,
                 ("clock", "timer") => timers = true,
                 ("clock", "perf") => timers = false,
+                ("walker", v) => walker = WalkerKind::parse(v)?,
                 ("symbols", v) if !v.is_empty() => symbols.push(v.to_string()),
                 _ => return None,
             }
@@ -955,6 +994,7 @@ impl AttachRequest {
             log,
             sampler,
             timers,
+            walker,
             symbols,
         })
     }
@@ -1188,14 +1228,18 @@ mod tests {
             log: Some("/tmp/a.log".into()),
             sampler: SamplerKind::Signal,
             timers: true,
+            walker: WalkerKind::Native,
             symbols: vec!["/opt/symbols".into(), "/with:colon".into()],
         };
         assert_eq!(AttachRequest::decode(&req.encode()), Some(req.clone()));
+        let snapshot = AttachRequest { walker: WalkerKind::Snapshot, ..req.clone() };
+        assert_eq!(AttachRequest::decode(&snapshot.encode()), Some(snapshot));
         let suspend = AttachRequest { sampler: SamplerKind::Suspend, ..req };
         assert_eq!(AttachRequest::decode(&suspend.encode()), Some(suspend));
         let without_pause = AttachRequest::decode(b"corsnap-attach-v1\nsocket=/s\nrate=5\nevents=1\n").unwrap();
         assert_eq!(without_pause.max_pause_ppm, DEFAULT_MAX_PAUSE_PPM);
         assert_eq!(without_pause.sampler, SamplerKind::Suspend, "an older CLI's request means the suspend engine");
+        assert_eq!(without_pause.walker, WalkerKind::Snapshot, "an older CLI's request means DoStackSnapshot");
         assert_eq!(AttachRequest::decode(b"corsnap-attach-v1\nsocket=/s\nrate=5\nevents=1\nsampler=x\n"), None);
         assert_eq!(AttachRequest::decode(b"attach1;detach"), None);
         assert_eq!(AttachRequest::decode(b"corsnap-attach-v1\nrate=x\nsocket=/s\n"), None);

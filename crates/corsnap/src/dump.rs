@@ -26,6 +26,7 @@ pub fn run(options: &DumpOptions) -> Result<()> {
     let request = AttachRequest {
         sampler: corsnap_wire::SamplerKind::Suspend,
         timers: false,
+        walker: corsnap_wire::WalkerKind::Snapshot,
         symbols: Vec::new(),
         socket: listener.socket_path().to_string_lossy().into_owned(),
         // Sampling stays paused: only the one snapshot is taken.

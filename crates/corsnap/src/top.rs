@@ -17,7 +17,7 @@ use anyhow::{Context, Result};
 use corsnap_profile::names::{is_roslyn_move_next, readable_name, state_machine_from_callers};
 use corsnap_profile::roots::{classify_native, fold_point, NativeRoot, Start};
 use corsnap_profile::{NativeFrames, RootFrames};
-use corsnap_wire::{AttachRequest, EventKind, Message, SamplerKind, NATIVE_FRAME_BIT};
+use corsnap_wire::{AttachRequest, EventKind, Message, SamplerKind, WalkerKind, NATIVE_FRAME_BIT};
 use ratatui::crossterm::event::{self, Event as KeyEvent, KeyCode, KeyEventKind, KeyModifiers};
 use ratatui::crossterm::execute;
 use ratatui::crossterm::terminal::{disable_raw_mode, enable_raw_mode, EnterAlternateScreen, LeaveAlternateScreen};
@@ -37,6 +37,7 @@ pub struct TopOptions {
     pub rate_hz: u32,
     pub sampler: SamplerKind,
     pub timers: bool,
+    pub walker: WalkerKind,
     /// Folders of native debug files (`--symbols`), absolute.
     pub symbol_dirs: Vec<PathBuf>,
     pub native: NativeFrames,
@@ -502,6 +503,7 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
                 log: None,
                 sampler: options.sampler,
                 timers: options.timers,
+                walker: options.walker,
                 symbols: options.symbol_dirs.iter().map(|d| d.to_string_lossy().into_owned()).collect(),
             };
             let connection = crate::record::attach(*pid, &agent, &listener, &request)?;
@@ -531,6 +533,7 @@ pub fn run(options: &TopOptions) -> Result<ExitCode> {
                 max_pause_ppm: corsnap_wire::DEFAULT_MAX_PAUSE_PPM,
                 sampler: options.sampler,
                 timers: options.timers,
+                walker: options.walker,
                 symbol_dirs: options.symbol_dirs.clone(),
                 native: options.native,
                 roots: options.roots,
@@ -706,6 +709,7 @@ mod tests {
             rate_hz: 100,
             sampler: SamplerKind::Signal,
             timers: false,
+            walker: WalkerKind::Native,
             symbol_dirs: Vec::new(),
             native,
             roots,

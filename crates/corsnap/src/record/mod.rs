@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result};
 use corsnap_profile::processes::ProcessProfiles;
 use corsnap_profile::{NativeFrames, ProfileBuilder};
-use corsnap_wire::{AttachRequest, Command as AgentCommand, EventKind, Message, SamplerKind, Severity};
+use corsnap_wire::{AttachRequest, Command as AgentCommand, EventKind, Message, SamplerKind, Severity, WalkerKind};
 
 use self::children::ChildRecording;
 use self::describe::StatusLine;
@@ -57,6 +57,8 @@ pub struct RecordOptions {
     pub sampler: SamplerKind,
     /// The signal engine's clock: POSIX timers instead of perf events.
     pub timers: bool,
+    /// How event stacks are walked.
+    pub walker: WalkerKind,
     /// Folders of native debug files (`--symbols`), absolute.
     pub symbol_dirs: Vec<PathBuf>,
     /// Whether native frames are shown one by one.
@@ -230,6 +232,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                 log: options.agent_log.as_deref().map(|p| absolute(p).to_string_lossy().into_owned()),
                 sampler: options.sampler,
                 timers: options.timers,
+                walker: options.walker,
                 symbols: options.symbol_dirs.iter().map(|d| d.to_string_lossy().into_owned()).collect(),
             };
             let connection = attach(*pid, &agent, &listener, &request)?;

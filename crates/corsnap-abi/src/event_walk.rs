@@ -1,0 +1,402 @@
+//! Walks of the calling thread's own stack, for events (an exception thrown,
+//! an allocation tick, a class loaded, a collection triggered): corsnap's
+//! unwinder, the signal engine's, run synchronously inside the runtime's
+//! callback on the thread the event happens on, instead of a
+//! `DoStackSnapshot`.
+//!
+//! # What a walk does, and why it is safe on any thread at any time
+//!
+//! [`walk_own_stack`] runs inside a profiler callback: the runtime holds
+//! whatever locks it holds there, and other threads may be walking too. So:
+//!
+//! 1. It counts itself in ([`IN_FLIGHT`], one atomic add) before it loads the
+//!    published map ([`MAP`], an atomic pointer), and out when it is done; the
+//!    agent frees a replaced map only after seeing the count at zero after
+//!    the swap (both sides `SeqCst`), so the map stays alive for the walk.
+//! 2. It borrows a walk cache from a fixed pool ([`CACHE_POOL`]) by swapping
+//!    a slot's pointer with null, and gives it back by storing it again: a
+//!    try, never a wait. With every cache out (more threads walking at once
+//!    than the pool holds) it builds one on its own stack.
+//! 3. It takes its own registers with three instructions (`lea` of `rip`,
+//!    `mov` of `rsp` and `rbp`) inside this function's body: at that
+//!    instruction the function's `.eh_frame` describes exactly that `rsp`,
+//!    so the walk starts here and unwinds the agent's frames, the runtime's
+//!    native frames (`.eh_frame`) and the managed ones (their `UNWIND_INFO`),
+//!    as the signal handler does from an interrupted context.
+//! 4. The stack is bounded by the mapping the map lists for this stack
+//!    pointer; a stack the map does not list yet (a thread newer than the
+//!    map) is refused ([`OwnWalkError::UnknownStack`]) and the agent is asked
+//!    to read the stacks again: the caller falls back to `DoStackSnapshot`.
+//! 5. Memory is read only through the signal handler's `LiveMemory`: this
+//!    thread's stack mapping and the code regions of the map; a hijacked
+//!    return address is undone from the runtime's thread object as there.
+//! 6. Nothing allocates unless the walk met code the map does not know yet:
+//!    then, and only then, the stack (as deep as the walk went) is copied
+//!    into the caller's vector, so the agent can learn that code and walk
+//!    the copy again, as it does for signal samples. The guesses the walk
+//!    made past unknown code are never kept as fact.
+
+use std::ptr::null_mut;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use corsnap_unwind::{lookup_address, CodeMap, Memory, Regs, Walk, WalkCache};
+
+use crate::signal::LiveMemory;
+
+/// The map event walks read; replaced whole, freed only when no walk runs.
+static MAP: AtomicPtr<CodeMap> = AtomicPtr::new(null_mut());
+/// Walks running now.
+static IN_FLIGHT: AtomicU64 = AtomicU64::new(0);
+/// Walk caches lent to walks (null: lent out, or none made).
+const POOL: usize = 32;
+static CACHE_POOL: [AtomicPtr<WalkCache>; POOL] = [const { AtomicPtr::new(null_mut()) }; POOL];
+/// Set by a walk whose stack the map does not list: the agent reads the
+/// process's stacks again and publishes.
+static STACKS_STALE: AtomicBool = AtomicBool::new(false);
+/// Set by a walk that met code the map does not know, until the next map is
+/// published.
+static CODE_UNKNOWN: AtomicBool = AtomicBool::new(false);
+/// Set with [`STACKS_STALE`] or [`CODE_UNKNOWN`] until the agent was asked
+/// to wake for it.
+static WAKE_WANTED: AtomicBool = AtomicBool::new(false);
+/// Walks whose stack the map did not list (they fell back).
+static UNKNOWN_STACKS: AtomicU64 = AtomicU64::new(0);
+/// Walks that used a cache of their own (the pool was empty).
+static POOL_EMPTY: AtomicU64 = AtomicU64::new(0);
+
+/// Words of stack kept at most when a walk met unknown code and still
+/// reached the root (256 KiB): the copy goes as deep as the walk went. An
+/// exception thrown in a catch block sits on the first one's dispatch, and
+/// its stack is deeper than the signal handler's 32 KiB copies.
+pub const MAX_COPY_WORDS: usize = 32768;
+/// Words kept of a walk that met unknown code and did not reach the root
+/// (32 KiB, as the signal handler keeps): how far its guesses reach is
+/// unknown, and a copy is made at every such event until the code is
+/// learned.
+const LOST_COPY_WORDS: usize = 4096;
+/// Words copied beyond the deepest frame a complete walk reached.
+const COPY_SLACK_WORDS: usize = 64;
+
+/// Why a walk of one's own stack could not be made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OwnWalkError {
+    /// No map is published (the walker is not running).
+    NoMap,
+    /// The stack pointer is in no stack the map lists.
+    UnknownStack,
+}
+
+/// A walk that met code not known yet keeps this of its stack.
+#[derive(Debug, Clone)]
+pub struct OwnStackCopy {
+    pub regs: Regs,
+    /// The words from `regs.sp` up.
+    pub words: Vec<u64>,
+    /// See [`crate::signal::StackCopy::splice`], counted in the frames the
+    /// walk returned (after the leading native frames were dropped).
+    pub splice: Option<(usize, u64)>,
+}
+
+impl OwnStackCopy {
+    pub fn as_stack_copy(&self) -> crate::signal::StackCopy<'_> {
+        crate::signal::StackCopy { regs: self.regs, words: &self.words, splice: self.splice }
+    }
+}
+
+struct InFlight;
+
+impl InFlight {
+    fn enter() -> InFlight {
+        IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
+        InFlight
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A cache borrowed from the pool, given back when dropped.
+struct Borrowed {
+    index: usize,
+    cache: *mut WalkCache,
+}
+
+impl Borrowed {
+    fn take() -> Option<Borrowed> {
+        // Start at a place that depends on the stack, so threads walking at
+        // once rarely try the same slots first.
+        let here = 0u8;
+        let start = (std::ptr::addr_of!(here) as usize >> 12) % POOL;
+        (0..POOL).map(|i| (start + i) % POOL).find_map(|index| {
+            let cache = CACHE_POOL[index].swap(null_mut(), Ordering::Acquire);
+            (!cache.is_null()).then_some(Borrowed { index, cache })
+        })
+    }
+}
+
+impl Drop for Borrowed {
+    fn drop(&mut self) {
+        CACHE_POOL[self.index].store(self.cache, Ordering::Release);
+    }
+}
+
+/// Walks the calling thread's stack, leaf first, into `out`: raw frames as
+/// the signal engine's, the leading native frames (corsnap's own and the
+/// runtime's, between the callback and the code the event happened in)
+/// left out. `runtime_thread` is the runtime's object for this thread (its
+/// `ThreadID`), for undoing a hijacked return address. When the walk met code
+/// the map does not know, `copy` receives the stack to walk again.
+#[inline(never)]
+pub fn walk_own_stack(
+    runtime_thread: u64,
+    out: &mut [u64],
+    copy: &mut Option<OwnStackCopy>,
+) -> Result<Walk, OwnWalkError> {
+    let _in_flight = InFlight::enter();
+    // SAFETY: step 1 of the module documentation: counted in before the load,
+    // and the agent frees a replaced map only once the count was zero after
+    // its swap.
+    let Some(map) = (unsafe { MAP.load(Ordering::SeqCst).as_ref() }) else {
+        return Err(OwnWalkError::NoMap);
+    };
+    let (ip, sp, bp): (u64, u64, u64);
+    // SAFETY: reads three registers into outputs; touches no memory, no
+    // stack and no flags.
+    unsafe {
+        std::arch::asm!(
+            "lea {ip}, [rip]",
+            "mov {sp}, rsp",
+            "mov {bp}, rbp",
+            ip = out(reg) ip,
+            sp = out(reg) sp,
+            bp = out(reg) bp,
+            options(nomem, nostack, preserves_flags)
+        );
+    }
+    let regs = Regs { ip, sp, bp };
+    let Some(stack) = map.stack_containing(regs.sp) else {
+        UNKNOWN_STACKS.fetch_add(1, Ordering::Relaxed);
+        if !STACKS_STALE.swap(true, Ordering::Relaxed) {
+            WAKE_WANTED.store(true, Ordering::Relaxed);
+        }
+        return Err(OwnWalkError::UnknownStack);
+    };
+    let memory = LiveMemory { stack: stack.clone(), map, runtime_thread };
+    let borrowed = Borrowed::take();
+    let mut own_cache;
+    let cache = match &borrowed {
+        // SAFETY: a pointer taken out of the pool is this walk's alone until
+        // `borrowed` puts it back; the pool's caches live until `uninstall`,
+        // which waits for walks to end.
+        Some(b) => unsafe { &mut *b.cache },
+        None => {
+            POOL_EMPTY.fetch_add(1, Ordering::Relaxed);
+            own_cache = WalkCache::new();
+            &mut own_cache
+        }
+    };
+    let mut walk = corsnap_unwind::walk(map, &memory, regs, cache, out);
+    drop(borrowed);
+    // Frames of native code at the leaf are corsnap's own and the runtime's
+    // plumbing between the event and the code it happened in.
+    let leading = out[..walk.len].iter().take_while(|&&f| map.native_at(lookup_address(f)).is_some()).count();
+    out.copy_within(leading..walk.len, 0);
+    walk.len -= leading;
+    walk.known_frames = walk.known_frames.saturating_sub(leading);
+    walk.splice = walk.splice.and_then(|(i, at)| Some((i.checked_sub(leading)?, at)));
+    if walk.flags & corsnap_unwind::flags::UNKNOWN_CODE != 0 {
+        let stack_words = ((stack.end - regs.sp) / 8) as usize;
+        let words = if walk.flags & corsnap_unwind::flags::COMPLETE != 0 {
+            (((walk.sp.saturating_sub(regs.sp)) / 8) as usize + COPY_SLACK_WORDS).min(MAX_COPY_WORDS)
+        } else {
+            LOST_COPY_WORDS
+        };
+        let words = words.min(stack_words);
+        let mut kept = Vec::with_capacity(words);
+        for i in 0..words as u64 {
+            let address = regs.sp + 8 * i;
+            kept.push(match walk.undone_hijack {
+                Some((slot, original)) if slot == address => original,
+                _ => memory.stack_word(address).unwrap_or(0),
+            });
+        }
+        *copy = Some(OwnStackCopy { regs, words: kept, splice: walk.splice.map(|(i, at)| (i, at.sp)) });
+        // The agent learns that code when it takes this event: the sooner,
+        // the fewer events need a copy.
+        if !CODE_UNKNOWN.swap(true, Ordering::Relaxed) {
+            WAKE_WANTED.store(true, Ordering::Relaxed);
+        }
+    }
+    Ok(walk)
+}
+
+/// Counters of event walks that could not use their own unwinder.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EventWalkCounters {
+    pub unknown_stacks: u64,
+    pub pool_empty: u64,
+}
+
+pub fn counters() -> EventWalkCounters {
+    EventWalkCounters {
+        unknown_stacks: UNKNOWN_STACKS.load(Ordering::Relaxed),
+        pool_empty: POOL_EMPTY.load(Ordering::Relaxed),
+    }
+}
+
+/// Whether a walk found its stack missing from the map since the last call.
+pub fn take_stacks_stale() -> bool {
+    STACKS_STALE.swap(false, Ordering::Relaxed)
+}
+
+/// Whether the agent's thread should be woken now to read the stacks again
+/// (true once per stale map: one load when there is nothing to do).
+pub fn take_wake_request() -> bool {
+    WAKE_WANTED.load(Ordering::Relaxed) && WAKE_WANTED.swap(false, Ordering::Relaxed)
+}
+
+/// The agent's handle on what event walks read: publishes maps, frees
+/// replaced ones once no walk can be using them.
+#[derive(Debug)]
+pub struct EventMap {
+    current: Option<Arc<CodeMap>>,
+    retired: Vec<Arc<CodeMap>>,
+    left: bool,
+}
+
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+impl EventMap {
+    /// Fills the cache pool. `None` if another `EventMap` is installed.
+    pub fn install() -> Option<EventMap> {
+        if INSTALLED.swap(true, Ordering::SeqCst) {
+            return None;
+        }
+        for slot in &CACHE_POOL {
+            let cache = Box::into_raw(Box::new(WalkCache::new()));
+            let old = slot.swap(cache, Ordering::AcqRel);
+            if !old.is_null() {
+                // SAFETY: only install and uninstall put caches in the pool,
+                // each made by Box::into_raw; an old one is ours to free.
+                drop(unsafe { Box::from_raw(old) });
+            }
+        }
+        Some(EventMap { current: None, retired: Vec::new(), left: false })
+    }
+
+    /// Makes `map` the one walks read from now on.
+    pub fn publish(&mut self, map: Arc<CodeMap>) {
+        MAP.store(Arc::as_ptr(&map) as *mut CodeMap, Ordering::SeqCst);
+        CODE_UNKNOWN.store(false, Ordering::Relaxed);
+        if let Some(old) = self.current.replace(map) {
+            self.retired.push(old);
+        }
+        self.reclaim();
+    }
+
+    /// Frees replaced maps if no walk is running.
+    pub fn reclaim(&mut self) {
+        if !self.retired.is_empty() && IN_FLIGHT.load(Ordering::SeqCst) == 0 {
+            self.retired.clear();
+        }
+    }
+
+    /// Stops walks from using the map and waits (up to `timeout`) for the
+    /// running ones to end; `false` if they did not, and then the maps and
+    /// caches are left allocated.
+    pub fn uninstall(mut self, timeout: Duration) -> bool {
+        self.leave(timeout)
+    }
+
+    fn leave(&mut self, timeout: Duration) -> bool {
+        self.left = true;
+        MAP.store(null_mut(), Ordering::SeqCst);
+        let deadline = Instant::now() + timeout;
+        while IN_FLIGHT.load(Ordering::SeqCst) != 0 {
+            if Instant::now() >= deadline {
+                std::mem::forget(self.current.take());
+                std::mem::forget(std::mem::take(&mut self.retired));
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        for slot in &CACHE_POOL {
+            let cache = slot.swap(null_mut(), Ordering::AcqRel);
+            if !cache.is_null() {
+                // SAFETY: made by Box::into_raw in install; no walk holds it
+                // (none is running, and none can start without a map).
+                drop(unsafe { Box::from_raw(cache) });
+            }
+        }
+        self.current = None;
+        self.retired.clear();
+        INSTALLED.store(false, Ordering::SeqCst);
+        true
+    }
+}
+
+impl Drop for EventMap {
+    /// A map walks may be reading is never freed under them.
+    fn drop(&mut self) {
+        if !self.left {
+            self.leave(Duration::from_secs(2));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use corsnap_unwind::process::{native_module, parse_maps, stack_ranges, LoadedElf};
+
+    fn own_code_map(with_stacks: bool) -> CodeMap {
+        let (objects, _) = crate::process::loaded_objects();
+        let natives = objects
+            .iter()
+            .filter_map(|o| {
+                let elf =
+                    LoadedElf { name: &o.name, bias: o.bias, segments: &o.segments, eh_frame_hdr: o.eh_frame_hdr };
+                native_module(&elf, crate::process::read_own_bytes)
+            })
+            .collect();
+        let maps = parse_maps(&std::fs::read_to_string("/proc/self/maps").unwrap());
+        let stacks = if with_stacks { stack_ranges(&maps) } else { Vec::new() };
+        CodeMap::new(natives, Vec::new(), stacks, 0)
+    }
+
+    #[inline(never)]
+    fn deeper(depth: u32, out: &mut [u64], copy: &mut Option<OwnStackCopy>) -> Result<Walk, OwnWalkError> {
+        if depth == 0 {
+            return walk_own_stack(0, out, copy);
+        }
+        let r = deeper(depth - 1, out, copy);
+        std::hint::black_box(depth);
+        r
+    }
+
+    #[test]
+    fn a_walk_of_ones_own_stack_needs_a_map_and_then_reaches_the_root() {
+        let mut out = [0u64; 256];
+        let mut copy = None;
+        assert_eq!(walk_own_stack(0, &mut out, &mut copy), Err(OwnWalkError::NoMap));
+        let mut events = EventMap::install().expect("first install");
+        // Without stacks: refused, and the agent is asked to read them.
+        events.publish(Arc::new(own_code_map(false)));
+        assert_eq!(walk_own_stack(0, &mut out, &mut copy), Err(OwnWalkError::UnknownStack));
+        assert!(take_stacks_stale());
+        events.publish(Arc::new(own_code_map(true)));
+        let walk = deeper(5, &mut out, &mut copy).expect("a walk");
+        // All native: every frame is leading native code, so none is kept;
+        // the walk itself went to the root.
+        assert_eq!(walk.len, 0, "{walk:?}");
+        assert!(walk.flags & corsnap_unwind::flags::COMPLETE != 0, "{walk:?}");
+        assert!(copy.is_none());
+        assert!(events.uninstall(Duration::from_secs(1)));
+        assert_eq!(walk_own_stack(0, &mut out, &mut copy), Err(OwnWalkError::NoMap));
+    }
+}

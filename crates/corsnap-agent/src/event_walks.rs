@@ -1,0 +1,445 @@
+//! The `native` event walker's agent side: event stacks (exceptions,
+//! allocation ticks, class loads, collections) walked by corsnap's own
+//! unwinder on the thread the event happens on
+//! (`corsnap_abi::event_walk::walk_own_stack`), as raw addresses; named here,
+//! on the sampler thread, the way the signal engine names CPU samples.
+//!
+//! This keeps its own code map (native modules and their CFI, the stacks,
+//! managed code learned from the addresses walks meet) rather than the
+//! signal engine's, because events are recorded with or without CPU
+//! sampling and with either CPU engine; it uses the same pieces to build it
+//! ([`CodeLearner`], [`Symbolizer`], `corsnap_unwind::process`). A walk that
+//! met code the map did not know came with a copy of its stack: that code
+//! is learned and the copy walked again (`corsnap_abi::signal::rewalk`), as
+//! for signal samples; what stays unknown is shown as such, never guessed.
+//!
+//! Where the walker cannot serve (a runtime whose layout corsnap does not
+//! know, a thread whose stack the map does not list yet), the event is
+//! walked by `DoStackSnapshot` as before.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use corsnap_abi::event_walk::{EventMap, OwnStackCopy};
+use corsnap_abi::signal::{self, SignalSampler};
+use corsnap_abi::{CorProfilerInfo, FunctionID};
+use corsnap_unwind::process::{native_module, parse_maps, stack_ranges, LoadedElf};
+use corsnap_unwind::{flags, lookup_address, CodeMap, ManagedCode, NativeModule};
+use corsnap_wire::NATIVE_FRAME_BIT;
+
+use crate::code_learning::{CodeLearner, Learned, STUB_TAG};
+use crate::log;
+use crate::runtime_layout::RuntimeLayout;
+use crate::signal_engine::{fold_funclets, FrameName, INCOMPLETE_KEY, UNKNOWN_CODE_KEY};
+use crate::symbols::Symbolizer;
+
+/// Entries in the address caches before they are emptied.
+const CACHE_CAP: usize = 200_000;
+/// The .NET host's libraries, which start the runtime and never run
+/// managed code below themselves.
+const HOST_MODULES: [&str; 2] = ["/libhostfxr.so", "/libhostpolicy.so"];
+/// Rounds of learning and walking again for one stack copy.
+const REWALK_ROUNDS: usize = 8;
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct EventWalkStats {
+    /// Stacks named.
+    pub resolved: u64,
+    /// Walks that met unknown code and were walked again from their copy.
+    pub rewalked: u64,
+    /// Stacks that still ended in unknown code or were lost.
+    pub incomplete: u64,
+    /// Maps published.
+    pub published: u64,
+}
+
+pub struct EventWalker {
+    info: CorProfilerInfo,
+    events_map: Option<EventMap>,
+    loader_counters: (u64, u64),
+    natives: Vec<NativeModule>,
+    native_cache: HashMap<(String, u64), Option<NativeModule>>,
+    managed: Vec<ManagedCode>,
+    stacks: Vec<std::ops::Range<u64>>,
+    map: Arc<CodeMap>,
+    map_dirty: bool,
+    /// The native modules changed since the map was built (else a new map
+    /// keeps its native unwinder, and with it every walk cache's rules).
+    natives_dirty: bool,
+    sigreturn: u64,
+    learner: CodeLearner,
+    symbols: Symbolizer,
+    not_managed: HashSet<u64>,
+    frame_ids: HashMap<u64, u64>,
+    stack_ids: HashMap<Vec<u64>, Vec<u64>>,
+    named: HashSet<u64>,
+    pending_names: Vec<FrameName>,
+    rewalk_cache: corsnap_unwind::WalkCache,
+    pub stats: EventWalkStats,
+}
+
+impl std::fmt::Debug for EventWalker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "EventWalker({} managed regions)", self.managed.len())
+    }
+}
+
+impl EventWalker {
+    /// Builds and publishes the map event walks read. `Err` says why the
+    /// native walker cannot serve this runtime (events then use
+    /// `DoStackSnapshot`).
+    pub fn start(info: CorProfilerInfo) -> Result<EventWalker, String> {
+        let version = crate::runtime_version(&info);
+        let layout = RuntimeLayout::detect(&version)?;
+        let events_map = EventMap::install().ok_or("another event walker is installed")?;
+        let mut walker = EventWalker {
+            info,
+            events_map: Some(events_map),
+            loader_counters: (u64::MAX, u64::MAX),
+            natives: Vec::new(),
+            native_cache: HashMap::new(),
+            managed: Vec::new(),
+            stacks: Vec::new(),
+            map: Arc::new(CodeMap::default()),
+            map_dirty: true,
+            natives_dirty: true,
+            sigreturn: SignalSampler::sigreturn_trampoline(),
+            learner: CodeLearner::new(info, layout),
+            symbols: Symbolizer::default(),
+            not_managed: HashSet::new(),
+            frame_ids: HashMap::new(),
+            stack_ids: HashMap::new(),
+            named: HashSet::new(),
+            pending_names: Vec::new(),
+            rewalk_cache: corsnap_unwind::WalkCache::new(),
+            stats: EventWalkStats::default(),
+        };
+        walker.refresh_modules();
+        // CoreLib's precompiled code is under nearly every stack: learned
+        // now, it is never met unknown.
+        if let Some(corelib) = crate::code_learning::corelib_image() {
+            walker.add_managed(corelib);
+        }
+        walker.refresh_stacks();
+        walker.publish();
+        log::write(format_args!(
+            "event walker: {} native modules, {} stacks",
+            walker.natives.len(),
+            walker.stacks.len()
+        ));
+        Ok(walker)
+    }
+
+    /// Once a round, before events are taken: the loader's modules and the
+    /// stacks (when a thread was announced or a walk missed its stack).
+    pub fn refresh(&mut self, threads_announced: bool) {
+        self.refresh_modules();
+        if corsnap_abi::event_walk::take_stacks_stale() || threads_announced {
+            self.refresh_stacks();
+        }
+        if self.map_dirty {
+            self.publish();
+        }
+        if let Some(m) = self.events_map.as_mut() {
+            m.reclaim();
+        }
+    }
+
+    /// Turns an event's raw frames (leaf first, as the walk left them) into
+    /// frame ids: `FunctionID`s, or native ids named by [`Self::take_names`].
+    /// A stack copy is learned from and walked again first. Returns the ids
+    /// and whether the stack was truncated.
+    pub fn resolve(&mut self, raw: &[u64], walk_flags: u32, copy: Option<&OwnStackCopy>) -> (Vec<u64>, bool) {
+        let (raw, walk_flags) = match copy {
+            Some(copy) => self.walk_again(raw, walk_flags, copy),
+            None => (raw.to_vec(), walk_flags),
+        };
+        self.stats.resolved += 1;
+        let mut frames = match self.stack_ids.get(&raw) {
+            Some(known) => known.clone(),
+            None => {
+                let frames = self.name_frames(&raw);
+                if self.stack_ids.len() >= CACHE_CAP / 10 {
+                    self.stack_ids.clear();
+                }
+                self.stack_ids.insert(raw.clone(), frames.clone());
+                frames
+            }
+        };
+        if walk_flags & flags::LOST != 0 {
+            self.stats.incomplete += 1;
+            self.note_name(FrameName::Native {
+                key: INCOMPLETE_KEY,
+                name: "[incomplete stack]".into(),
+                module: String::new(),
+            });
+            frames.push(INCOMPLETE_KEY);
+        }
+        (frames, walk_flags & flags::TRUNCATED != 0)
+    }
+
+    /// Names the CLI has not heard yet.
+    pub fn take_names(&mut self) -> Vec<FrameName> {
+        std::mem::take(&mut self.pending_names)
+    }
+
+    /// Stops walks from reading the map and waits for those running.
+    pub fn stop(&mut self) {
+        if let Some(m) = self.events_map.take() {
+            if !m.uninstall(Duration::from_secs(2)) {
+                log::write(format_args!("event walks still running after 2 s; their map is left allocated"));
+            }
+        }
+        log::write(format_args!(
+            "event walker stopped: {:?}; {:?}; {} JIT bodies, {} stubs, {} images learned",
+            self.stats,
+            corsnap_abi::event_walk::counters(),
+            self.learner.jit_bodies_learned,
+            self.learner.stubs_learned,
+            self.learner.images_learned
+        ));
+    }
+
+    fn name_frames(&mut self, raw: &[u64]) -> Vec<u64> {
+        let mut frames = Vec::with_capacity(raw.len());
+        let mut funclets: Vec<(usize, u64)> = Vec::new();
+        for &frame in raw {
+            let address = lookup_address(frame);
+            let key = self.frame_id(address);
+            // The runtime's own frames (native, stubs) above the first
+            // managed one are how the event reached us, not where it
+            // happened.
+            if frames.is_empty() && key & NATIVE_FRAME_BIT != 0 {
+                continue;
+            }
+            if (key == UNKNOWN_CODE_KEY || crate::code_learning::is_stub_key(key & !NATIVE_FRAME_BIT))
+                && frames.last() == Some(&key)
+            {
+                continue;
+            }
+            if self.is_funclet(address) {
+                funclets.push((frames.len(), key));
+            }
+            frames.push(key);
+        }
+        // Event stacks carry no IL offsets: the same frames go from a
+        // stand-in of the right length.
+        let mut no_offsets = vec![0; frames.len()];
+        fold_funclets(&mut frames, &mut no_offsets, &funclets);
+        frames
+    }
+
+    /// Learns the code a walk did not know and walks its stack copy again,
+    /// until nothing new turns up; the leading native frames are left out
+    /// again, as the first walk did.
+    fn walk_again(&mut self, raw: &[u64], walk_flags: u32, copy: &OwnStackCopy) -> (Vec<u64>, u32) {
+        let (mut frames, mut walk_flags) = (raw.to_vec(), walk_flags);
+        for round in 0..REWALK_ROUNDS {
+            let mut learned = false;
+            for &frame in &frames {
+                let addr = lookup_address(frame);
+                if self.map.is_code(addr) || self.not_managed.contains(&addr) {
+                    continue;
+                }
+                match self.learner.learn(addr) {
+                    Learned::Code(code) => {
+                        self.add_managed(code);
+                        learned = true;
+                    }
+                    Learned::FunctionOnly(_) => {}
+                    Learned::NotManaged => {
+                        if self.not_managed.insert(addr) && std::env::var_os("CORSNAP_DEBUG_EVENT_WALKS").is_some() {
+                            let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+                            let line = parse_maps(&maps).into_iter().find(|m| m.range.contains(&addr));
+                            log::write(format_args!("event walk: {addr:#x} is no managed code: {line:?}"));
+                        }
+                    }
+                }
+            }
+            if round > 0 && !learned {
+                break;
+            }
+            if self.map_dirty {
+                self.publish();
+            }
+            let mut out = vec![0u64; signal::MAX_FRAMES];
+            let walk =
+                signal::rewalk(&self.map, &copy.as_stack_copy(), (raw, walk_flags), &mut self.rewalk_cache, &mut out);
+            out.truncate(walk.len);
+            let leading = out.iter().take_while(|&&f| self.map.native_at(lookup_address(f)).is_some()).count();
+            out.drain(..leading);
+            frames = out;
+            walk_flags = walk.flags;
+            self.stats.rewalked += 1;
+            if walk.flags & flags::UNKNOWN_CODE == 0 {
+                break;
+            }
+        }
+        (frames, walk_flags)
+    }
+
+    fn frame_id(&mut self, addr: u64) -> u64 {
+        if let Some(&id) = self.frame_ids.get(&addr) {
+            return id;
+        }
+        if self.frame_ids.len() >= CACHE_CAP {
+            self.frame_ids.clear();
+            self.stack_ids.clear();
+            self.named.clear();
+        }
+        let id = self.identify(addr);
+        self.frame_ids.insert(addr, id);
+        id
+    }
+
+    /// As the signal engine's: the map's managed regions by tag, native
+    /// modules by symbol, else learned now.
+    fn identify(&mut self, addr: u64) -> u64 {
+        if let Some(region) = self.map.managed_at(addr) {
+            let tag = region.tag;
+            return self.tagged(tag, addr);
+        }
+        if let Some(module) = self.map.native_at(addr) {
+            let (path, bias) = (module.name.clone(), module.bias);
+            let n = self.symbols.name(&path, bias, addr);
+            let key = n.key;
+            self.note_name(FrameName::Native { key, name: n.name, module: n.module });
+            return key;
+        }
+        if self.not_managed.contains(&addr) {
+            return self.unknown_code();
+        }
+        if let Some(code) = self.managed.iter().rev().find(|m| m.code.contains(&addr)) {
+            let tag = code.tag;
+            return self.tagged(tag, addr);
+        }
+        match self.learner.learn(addr) {
+            Learned::Code(code) => {
+                let tag = code.tag;
+                self.add_managed(code);
+                self.tagged(tag, addr)
+            }
+            Learned::FunctionOnly(f) => self.managed(f),
+            Learned::NotManaged => {
+                if self.not_managed.len() >= CACHE_CAP {
+                    self.not_managed.clear();
+                }
+                self.not_managed.insert(addr);
+                self.unknown_code()
+            }
+        }
+    }
+
+    fn tagged(&mut self, tag: u64, addr: u64) -> u64 {
+        match tag {
+            0 => match self.info.get_function_from_ip(addr as usize) {
+                Ok(f) => self.managed(f),
+                Err(_) => self.unknown_code(),
+            },
+            STUB_TAG => self.stub(crate::signal_engine::STUB_KEY, "[runtime stub]"),
+            t if t < crate::code_learning::TAG_LIMIT => {
+                let (key, name) = crate::code_learning::stub_name(t);
+                self.stub(NATIVE_FRAME_BIT | key, name)
+            }
+            f => self.managed(f as FunctionID),
+        }
+    }
+
+    fn is_funclet(&self, address: u64) -> bool {
+        let Some(region) = self.map.managed_at(address) else { return false };
+        region.tag >= crate::code_learning::TAG_LIMIT
+            && region.function_at(address).is_some_and(|f| f.start != region.code.start)
+    }
+
+    fn managed(&mut self, function: FunctionID) -> u64 {
+        function as u64
+    }
+
+    fn stub(&mut self, key: u64, name: &str) -> u64 {
+        self.note_name(FrameName::Native { key, name: name.into(), module: String::new() });
+        key
+    }
+
+    fn unknown_code(&mut self) -> u64 {
+        self.note_name(FrameName::Native {
+            key: UNKNOWN_CODE_KEY,
+            name: "[unknown code]".into(),
+            module: String::new(),
+        });
+        UNKNOWN_CODE_KEY
+    }
+
+    fn note_name(&mut self, name: FrameName) {
+        let key = match &name {
+            FrameName::Managed(f) => *f as u64,
+            FrameName::Native { key, .. } => *key,
+        };
+        if self.named.insert(key) {
+            self.pending_names.push(name);
+        }
+    }
+
+    fn add_managed(&mut self, code: ManagedCode) {
+        self.managed.retain(|m| m.code.end <= code.code.start || m.code.start >= code.code.end);
+        self.managed.push(code);
+        self.map_dirty = true;
+        self.frame_ids.retain(|_, id| *id != UNKNOWN_CODE_KEY);
+        self.stack_ids.clear();
+    }
+
+    fn refresh_modules(&mut self) {
+        let (objects, counters) = corsnap_abi::process::loaded_objects();
+        if counters == self.loader_counters {
+            return;
+        }
+        self.loader_counters = counters;
+        let mut natives = Vec::new();
+        for o in &objects {
+            let entry = self.native_cache.entry((o.name.clone(), o.bias)).or_insert_with(|| {
+                let elf =
+                    LoadedElf { name: &o.name, bias: o.bias, segments: &o.segments, eh_frame_hdr: o.eh_frame_hdr };
+                native_module(&elf, corsnap_abi::process::read_own_bytes)
+            });
+            if let Some(m) = entry {
+                natives.push(m.clone());
+            }
+        }
+        self.natives = natives;
+        self.map_dirty = true;
+        self.natives_dirty = true;
+    }
+
+    fn refresh_stacks(&mut self) {
+        if let Ok(text) = std::fs::read_to_string("/proc/self/maps") {
+            self.stacks = stack_ranges(&parse_maps(&text));
+            self.map_dirty = true;
+        }
+    }
+
+    fn publish(&mut self) {
+        self.stats.published += 1;
+        // The .NET host's libraries only start the runtime: a walk ends in
+        // them, not several frames further down in the executable and libc's
+        // start-up (frames a profile folds into `[host start-up]`).
+        let roots = self
+            .natives
+            .iter()
+            .filter(|m| HOST_MODULES.iter().any(|h| m.name.ends_with(h)))
+            .map(|m| m.code.clone())
+            .collect();
+        let map = if self.natives_dirty {
+            CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn)
+                .with_roots(roots)
+        } else {
+            self.map.with_same_natives(self.managed.clone(), self.stacks.clone())
+        };
+        self.natives_dirty = false;
+        self.managed = map.managed().to_vec();
+        self.map = Arc::new(map);
+        if let Some(m) = self.events_map.as_mut() {
+            m.publish(self.map.clone());
+        }
+        self.map_dirty = false;
+    }
+}

@@ -1,0 +1,103 @@
+//! Event stacks walked by corsnap's own unwinder (`--walker native`, the
+//! default) against `DoStackSnapshot` (`--walker snapshot`), on
+//! `tests/programs/eventshapes.cs`: exceptions from many stack shapes (a
+//! recursion, generic methods, a throw in a catch block, a filter, a throw
+//! after a finally, lambdas and LINQ, an interface call, async methods on the
+//! pool), on the main thread and in thread-pool tasks, and allocation ticks.
+//!
+//! - `agree`: with `CORSNAP_VERIFY_EVENT_WALKS=1` every event is walked by
+//!   both walkers, and the agent compares the managed frames of the two
+//!   stacks of the same event (the only comparison immune to the tiered
+//!   JIT inlining differently in two runs): all must be identical.
+//! - `exact`: both walkers count the same exceptions, each with its stack,
+//!   and the shapes read as the program wrote them.
+
+mod support;
+
+use support::{describe, parse_collapsed, record_with_env, scratch, Runtime, Stack};
+
+const ROUNDS: &str = "300";
+
+fn run(runtime: Runtime, walker: &str, events: &[&str], verify: bool) -> (Vec<Stack>, Option<Vec<Stack>>, String) {
+    let dir = scratch(&format!("eventwalks-{runtime:?}-{walker}-{}-{verify}", events.join("_")));
+    let out = dir.join("p.txt");
+    let mut args = vec!["-f", "collapsed", "--walker", walker, "-o", out.to_str().unwrap()];
+    for e in events {
+        args.extend(["-e", e]);
+    }
+    let env: &[(&str, &str)] = if verify { &[("CORSNAP_VERIFY_EVENT_WALKS", "1")] } else { &[] };
+    let output = record_with_env(runtime, "eventshapes", &[ROUNDS], &args, env, None);
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(output.status.success(), "{stderr}");
+    assert!(String::from_utf8_lossy(&output.stdout).contains(&format!("rounds {ROUNDS}")));
+    let read = |kind: &str| {
+        let path = if events.len() == 1 { out.clone() } else { dir.join(format!("p.{kind}.txt")) };
+        std::fs::read_to_string(path).ok().map(|t| parse_collapsed(&t))
+    };
+    (read("exceptions").expect("an exceptions profile"), read("alloc"), stderr)
+}
+
+/// `(compared, identical)` from the agent's verification notice.
+fn verification(stderr: &str) -> (u64, u64) {
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("event walk verification:"))
+        .unwrap_or_else(|| panic!("no verification notice:\n{stderr}"));
+    let numbers: Vec<u64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+    (numbers[0], numbers[1])
+}
+
+fn total(stacks: &[Stack]) -> u64 {
+    stacks.iter().map(|s| s.count).sum()
+}
+
+/// Weight of stacks whose frames end with `tail` (the leaf last).
+fn ending(stacks: &[Stack], tail: &[&str]) -> u64 {
+    stacks
+        .iter()
+        .filter(|s| s.frames.len() >= tail.len() && s.frames[s.frames.len() - tail.len()..].iter().eq(tail.iter()))
+        .map(|s| s.count)
+        .sum()
+}
+
+fn agree(runtime: Runtime) {
+    let (exceptions, alloc, stderr) = run(runtime, "native", &["exceptions", "alloc"], true);
+    let (compared, identical) = verification(&stderr);
+    let events = total(&exceptions) + alloc.as_ref().map_or(0, |a| a.len() as u64);
+    // A thread's first events, before the walker's map lists its stack, are
+    // walked by DoStackSnapshot alone and not compared.
+    assert!(compared * 10 >= total(&exceptions) * 9, "compared {compared} of {events} events:\n{stderr}");
+    assert_eq!(identical, compared, "the walkers disagreed (the agent log names the stacks):\n{stderr}");
+    let alloc = alloc.expect("an allocation profile");
+    assert!(
+        alloc.iter().any(|s| s.frames.iter().any(|f| f == "EventShapes.Shapes.AllocNodes")),
+        "{}",
+        describe(&alloc)
+    );
+}
+
+fn exact(runtime: Runtime) {
+    let (native, _, native_err) = run(runtime, "native", &["exceptions"], false);
+    let (snapshot, _, snapshot_err) = run(runtime, "snapshot", &["exceptions"], false);
+    let rounds: u64 = ROUNDS.parse().unwrap();
+    // Ten throws a round on the main thread and ten on the pool, and at
+    // least one per async task.
+    assert!(total(&native) >= 21 * rounds, "{native_err}\n{}", describe(&native));
+    assert_eq!(total(&native), total(&snapshot), "native:\n{}\nsnapshot:\n{}", describe(&native), describe(&snapshot));
+    for (tail, count) in [
+        (&["EventShapes.Shapes.Leaf", "EventShapes.ShapeException"][..], None),
+        (&["EventShapes.Shapes.Generic<T>", "System.InvalidOperationException"][..], Some(4 * rounds)),
+        (&["EventShapes.Shapes.FromCatch", "System.ArgumentException"][..], Some(2 * rounds)),
+        (&["EventShapes.Shapes.FromFinally", "System.TimeoutException"][..], Some(2 * rounds)),
+        (&["EventShapes.Thrower.Throw", "System.NotSupportedException"][..], Some(2 * rounds)),
+    ] {
+        let (n, s) = (ending(&native, tail), ending(&snapshot, tail));
+        assert_eq!(n, s, "{tail:?}: native {n}, snapshot {s}\n{}\n{snapshot_err}", describe(&native));
+        if let Some(count) = count {
+            assert_eq!(n, count, "{tail:?}\n{}", describe(&native));
+        }
+    }
+}
+
+on_each_runtime!(both_walkers_see_the_same_managed_frames_for_the_same_events, agree);
+on_each_runtime!(both_walkers_count_every_exception_with_its_stack, exact);
