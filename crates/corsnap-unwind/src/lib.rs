@@ -127,7 +127,9 @@ pub struct WalkCache {
     rules: CacheX86_64<MustNotAllocateDuringUnwind>,
     /// Direct-mapped by address: a managed frame met again skips two binary
     /// searches (its region, and its function in a table that for CoreLib's
-    /// image is large and cold in the CPU's caches).
+    /// image is large and cold in the CPU's caches); a native frame met
+    /// again skips the search of the managed regions and of the modules
+    /// before framehop's own ([`NATIVE_REGION`]).
     managed: Box<[ManagedHit; MANAGED_HITS]>,
 }
 
@@ -143,6 +145,9 @@ struct ManagedHit {
 }
 
 const MANAGED_HITS: usize = 509;
+
+/// [`ManagedHit::region`] of an address in a native module.
+const NATIVE_REGION: u32 = u32::MAX;
 
 impl WalkCache {
     pub fn new() -> Self {
@@ -516,7 +521,12 @@ pub fn walk_until<M: Memory>(
         let lookup = if exact { regs.ip } else { regs.ip - 1 };
         let mut unknown = false;
         let hit = cache.managed_hit(map.generation, lookup);
-        let region_index = hit.map(|h| h.region as usize).or_else(|| map.managed_index_at(lookup));
+        let native_hit = hit.is_some_and(|h| h.region == NATIVE_REGION);
+        let region_index = match hit {
+            Some(h) if !native_hit => Some(h.region as usize),
+            Some(_) => None,
+            None => map.managed_index_at(lookup),
+        };
         let region = region_index.and_then(|i| map.managed.get(i));
         let step = if let Some(region) = region.filter(|r| r.frameless) {
             stub_step(map, mem, regs, exact, region)
@@ -547,9 +557,13 @@ pub fn walk_until<M: Memory>(
                     unknown_step(map, mem, regs, exact)
                 }
             }
+        } else if native_hit {
+            native_step(map, mem, regs, exact, cache)
         } else if let Some(stub) = map.hijack_stub.as_ref().filter(|s| s.range.contains(&lookup)) {
             hijack_stub_step(map, mem, regs, exact, stub)
         } else if map.native_at(lookup).is_some() {
+            let hit = ManagedHit { generation: map.generation, address: lookup, region: NATIVE_REGION, entry: 0 };
+            cache.remember_managed(hit);
             native_step(map, mem, regs, exact, cache)
         } else {
             unknown = true;
