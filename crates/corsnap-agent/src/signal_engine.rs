@@ -501,6 +501,12 @@ impl SignalEngine {
         self.scratch = scratch;
     }
 
+    /// Whether `addr` is in code the engine knows: in the published map, or
+    /// learned since it was published.
+    fn knows_code(&self, addr: u64) -> bool {
+        self.map.is_code(addr) || self.managed.iter().any(|m| m.code.contains(&addr))
+    }
+
     /// Learns the code of the functions the runtime compiled since the last
     /// round, before a sample lands in it: a sample in a body not learned
     /// yet needs a stack copy and a second walk.
@@ -513,7 +519,7 @@ impl SignalEngine {
         for function in compiled {
             let Ok(starts) = self.shared.info.get_native_code_start_addresses(function) else { continue };
             for start in starts {
-                if start == 0 || self.map.is_code(start) || self.managed.iter().any(|m| m.code.contains(&start)) {
+                if start == 0 || self.knows_code(start) {
                     continue;
                 }
                 if let Learned::Code(code) = self.learner.learn(start) {
@@ -547,10 +553,7 @@ impl SignalEngine {
             let mut learned = false;
             for &frame in &raw.frames {
                 let addr = lookup_address(frame);
-                if self.map.is_code(addr)
-                    || self.not_managed.contains(&addr)
-                    || self.managed.iter().any(|m| m.code.contains(&addr))
-                {
+                if self.knows_code(addr) || self.not_managed.contains(&addr) {
                     continue;
                 }
                 match self.learner.learn(addr) {
