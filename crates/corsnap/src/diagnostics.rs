@@ -110,7 +110,7 @@ impl DiagnosticsSocket {
 ///
 /// If several sockets match (a crashed earlier process with the same pid left
 /// one behind), the one whose key is the process's start time wins, else the
-/// newest.
+/// newest; one whose key is before the process's start is never its own.
 pub fn find_socket(pid: u32) -> Result<DiagnosticsSocket> {
     let proc_dir = PathBuf::from(format!("/proc/{pid}"));
     match fs::metadata(&proc_dir) {
@@ -554,6 +554,11 @@ fn choose_socket(found: Vec<FoundSocket>, start_key: Option<u64>) -> Option<Foun
         if unique.iter().any(|s| s.key == Some(key)) {
             unique.retain(|s| s.key == Some(key));
         }
+        // A key is its process's start time, and a pid is held by one
+        // process at a time: a key before the live process's start is a
+        // socket left by an earlier process that had this pid, and
+        // connecting to it would only be refused.
+        unique.retain(|s| s.key.is_none_or(|k| k >= key));
     }
     // max_by_key keeps the last maximum; reverse so ties go to the first found.
     unique.into_iter().rev().max_by_key(|s| s.modified)
@@ -906,6 +911,19 @@ mod tests {
     }
 
     #[test]
+    fn a_socket_left_by_an_earlier_process_with_the_same_pid_is_not_the_targets() {
+        let dir = tempfile::tempdir().unwrap();
+        let child = Sleeper::start(&[("TMPDIR", dir.path())]);
+        let pid = child.0.id();
+        child.wait_for_exec();
+        let stat_key = parse_start_time(&fs::read_to_string(format!("/proc/{pid}/stat")).unwrap()).unwrap();
+        let _stale = UnixListener::bind(dir.path().join(format!("dotnet-diagnostic-{pid}-{}-socket", stat_key - 1)))
+            .unwrap();
+        let err = find_socket(pid).unwrap_err().to_string();
+        assert!(err.contains("not a .NET"), "{err}");
+    }
+
+    #[test]
     fn find_socket_names_the_setting_that_disabled_diagnostics() {
         let child = Sleeper::start(&[("DOTNET_EnableDiagnostics", Path::new("0"))]);
         let pid = child.0.id();
@@ -938,7 +956,11 @@ mod tests {
         assert!(newest.path.ends_with("dotnet-diagnostic-77-200-socket"));
         let by_key = choose_socket(list_sockets(dir.path(), 77).unwrap(), Some(100)).unwrap();
         assert!(by_key.path.ends_with("dotnet-diagnostic-77-100-socket"));
-        let unknown_key = choose_socket(list_sockets(dir.path(), 77).unwrap(), Some(999)).unwrap();
+        // A process that started after both sockets were made owns neither.
+        assert!(choose_socket(list_sockets(dir.path(), 77).unwrap(), Some(999)).is_none());
+        // A start time matching none, but before a key, keeps the fallback
+        // to the newest that may be its own.
+        let unknown_key = choose_socket(list_sockets(dir.path(), 77).unwrap(), Some(150)).unwrap();
         assert!(unknown_key.path.ends_with("dotnet-diagnostic-77-200-socket"));
         assert!(choose_socket(Vec::new(), None).is_none());
 
