@@ -157,6 +157,9 @@ pub struct ThreadSlot {
     ring: Ring,
     /// Samples written.
     pub samples: AtomicU64,
+    /// Of those, samples taken on request ([`Sampler::request_sample`]):
+    /// what a request waits on, since a timer's sample may land meanwhile.
+    pub requested_samples: AtomicU64,
     /// Samples dropped because the ring was full.
     pub dropped_full: AtomicU64,
     /// Signals whose stack pointer was in no known stack mapping.
@@ -698,6 +701,9 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
     });
     if slot.ring.push([header, weight_ns, time_ns, time_ns.saturating_sub(entered), 0], frames, copy) {
         slot.samples.fetch_add(1, Ordering::Relaxed);
+        if requested {
+            slot.requested_samples.fetch_add(1, Ordering::Release);
+        }
     } else {
         slot.dropped_full.fetch_add(1, Ordering::Relaxed);
     }
@@ -1137,6 +1143,7 @@ impl SignalSampler {
             }),
             ring: Ring::new(),
             samples: AtomicU64::new(0),
+            requested_samples: AtomicU64::new(0),
             dropped_full: AtomicU64::new(0),
             unknown_stack: AtomicU64::new(0),
             runtime_thread: AtomicU64::new(0),
@@ -1273,6 +1280,11 @@ impl SignalSampler {
     /// Samples the slot has stored so far.
     pub fn samples_of(&self, id: SlotId) -> u64 {
         self.slot(id).map_or(0, |s| s.samples.load(Ordering::Acquire))
+    }
+
+    /// Samples stored for thread `id` on request so far.
+    pub fn requested_samples_of(&self, id: SlotId) -> u64 {
+        self.slot(id).map_or(0, |s| s.requested_samples.load(Ordering::Acquire))
     }
 
     /// How many threads perf events sample, and why perf events are not

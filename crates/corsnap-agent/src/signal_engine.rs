@@ -378,14 +378,15 @@ impl SignalEngine {
     pub fn request_sample(&self, tid: u32) -> Option<u64> {
         let sampler = self.sampler.as_ref()?;
         let slot = self.threads.get(&tid)?.slot;
-        let before = sampler.samples_of(slot);
+        let before = sampler.requested_samples_of(slot);
         sampler.request_sample(slot).then_some(before)
     }
 
-    /// Samples stored so far for thread `tid`.
-    pub fn samples_stored(&self, tid: u32) -> u64 {
+    /// Samples stored so far for thread `tid` on request (a timer's sample
+    /// landing meanwhile is not the one asked for).
+    pub fn requested_samples_stored(&self, tid: u32) -> u64 {
         match (self.sampler.as_ref(), self.threads.get(&tid)) {
-            (Some(sampler), Some(t)) => sampler.samples_of(t.slot),
+            (Some(sampler), Some(t)) => sampler.requested_samples_of(t.slot),
             _ => 0,
         }
     }

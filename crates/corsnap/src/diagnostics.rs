@@ -917,8 +917,8 @@ mod tests {
         let pid = child.0.id();
         child.wait_for_exec();
         let stat_key = parse_start_time(&fs::read_to_string(format!("/proc/{pid}/stat")).unwrap()).unwrap();
-        let _stale = UnixListener::bind(dir.path().join(format!("dotnet-diagnostic-{pid}-{}-socket", stat_key - 1)))
-            .unwrap();
+        let _stale =
+            UnixListener::bind(dir.path().join(format!("dotnet-diagnostic-{pid}-{}-socket", stat_key - 1))).unwrap();
         let err = find_socket(pid).unwrap_err().to_string();
         assert!(err.contains("not a .NET"), "{err}");
     }
