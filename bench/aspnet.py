@@ -12,8 +12,11 @@ profiler's window:
 
 with P1..P3 the profilers in a fresh random order each round:
 
-- corsnap: `corsnap record --pid` at 100 Hz, default signal engine (perf
-  events on each thread's CPU clock);
+- corsnap: `corsnap record --pid` at 100 Hz, default signal engine and its
+  default clock (`--cpu-clock auto`: perf events on threads that run long
+  stretches, POSIX CPU timers on threads that block often);
+- corsnap-perf: the same with `--cpu-clock perf` (perf events on every
+  thread);
 - corsnap-timer: the same with `--cpu-clock timer` (POSIX CPU timers);
 - dotnet-trace: `dotnet-trace collect --profile
   dotnet-common,dotnet-sampled-thread-time`, EventPipe's sample profiler and
@@ -44,13 +47,13 @@ pool spinning more or less).
 dotnet-trace is installed into $CORSNAP_DEPS/tools (~/.cache/corsnap/tools)
 from NuGet (`dotnet tool install`) if it is not there.
 
-    python3 bench/aspnet.py [--rounds 7] [--seconds 6] [--profilers corsnap,corsnap-timer,dotnet-trace]
+    python3 bench/aspnet.py [--rounds 7] [--seconds 6] [--profilers corsnap,corsnap-perf,corsnap-timer,dotnet-trace]
 """
 import argparse, os, random, re, signal, statistics, subprocess, sys, tempfile, threading, time
 
 from common import CORSNAP, prepare
 
-PROFILERS = ["corsnap", "corsnap-timer", "dotnet-trace"]
+PROFILERS = ["corsnap", "corsnap-perf", "corsnap-timer", "dotnet-trace"]
 
 
 def install_dotnet_trace(env):
@@ -126,7 +129,7 @@ def measure(profiler, pid, url, seconds, env, dotnet_trace, scratch):
         log = os.path.join(scratch, "agent.log")
         if os.path.exists(log):
             os.remove(log)
-        clock = ["--cpu-clock", "timer"] if profiler == "corsnap-timer" else []
+        clock = {"corsnap-timer": ["--cpu-clock", "timer"], "corsnap-perf": ["--cpu-clock", "perf"]}.get(profiler, [])
         p = subprocess.Popen([CORSNAP, "record", "--pid", str(pid), "-r", "100", "--stats", "-f", "collapsed",
                               "-o", os.path.join(scratch, "p.txt"), "--agent-log", log] + clock,
                              env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -144,10 +147,12 @@ def measure(profiler, pid, url, seconds, env, dotnet_trace, scratch):
         if p.returncode != 0:
             sys.exit(f"corsnap failed ({p.returncode}):\n{stderr}")
         wait_for(lambda: not agent_mapped(pid), 30, "the agent to be unmapped")
-        m = re.search(r"(\d+) samples from \d+ threads now sampled, (\d+) dropped; per sample in the handler "
-                      r"median ([\d.]+) µs, p99 ([\d.]+) µs;.*agent thread CPU (\d+) ms", stderr)
-        return result, {"samples": int(m.group(1)), "handler_median": float(m.group(3)),
-                        "handler_p99": float(m.group(4)), "agent_cpu_ms": int(m.group(5))} if m else None
+        m = re.search(r"(\d+) samples from (\d+) threads now sampled \((\d+) by CPU timers.*?\), (\d+) dropped; "
+                      r"per sample in the handler median ([\d.]+) µs, p99 ([\d.]+) µs;.*agent thread CPU (\d+) ms",
+                      stderr)
+        return result, {"samples": int(m.group(1)), "threads": int(m.group(2)), "on_timers": int(m.group(3)),
+                        "handler_median": float(m.group(5)), "handler_p99": float(m.group(6)),
+                        "agent_cpu_ms": int(m.group(7))} if m else None
     # dotnet-trace: its session is on once it prints the output file's name.
     p = subprocess.Popen([dotnet_trace, "collect", "-p", str(pid), "--profile",
                           "dotnet-common,dotnet-sampled-thread-time", "-o", os.path.join(scratch, "t.nettrace"),
@@ -240,7 +245,8 @@ def main():
     if trace_version:
         print(f"dotnet-trace {trace_version}")
     print(f"failed requests (non-2xx/3xx and socket errors), all windows: {failures}\n")
-    names = {"corsnap": "corsnap 100 Hz", "corsnap-timer": "corsnap 100 Hz, `--cpu-clock timer`",
+    names = {"corsnap": "corsnap 100 Hz", "corsnap-perf": "corsnap 100 Hz, `--cpu-clock perf`",
+             "corsnap-timer": "corsnap 100 Hz, `--cpu-clock timer`",
              "dotnet-trace": "dotnet-trace (EventPipe sampler)"}
 
     def series(p, key):
@@ -275,7 +281,9 @@ def main():
         if reports and "samples" in reports[0]:
             own = (f"{statistics.median(r['samples'] for r in reports):.0f} samples a window, handler "
                    f"{statistics.median(r['handler_median'] for r in reports):.1f} µs median, "
-                   f"{statistics.median(r['handler_p99'] for r in reports):.1f} µs p99; agent thread "
+                   f"{statistics.median(r['handler_p99'] for r in reports):.1f} µs p99; "
+                   f"{statistics.median(r['on_timers'] for r in reports):.0f} of "
+                   f"{statistics.median(r['threads'] for r in reports):.0f} threads on timers; agent thread "
                    f"{statistics.median(r['agent_cpu_ms'] for r in reports):.0f} ms CPU a recording")
         elif reports:
             own = f"trace {statistics.median(r['trace_bytes'] for r in reports) / 1e6:.1f} MB a window"

@@ -55,7 +55,7 @@
 use std::cell::UnsafeCell;
 use std::ffi::{c_int, c_void};
 use std::ptr::null_mut;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -153,6 +153,14 @@ pub struct ThreadSlot {
     /// event does). Re-armed by the handler with a new random delay each
     /// time.
     timer_id: std::sync::atomic::AtomicI32,
+    /// Which clock samples the thread now: [`CLOCK_PERF`] or
+    /// [`CLOCK_TIMER`]. A thread with a perf event may be moved to a timer
+    /// and back ([`Sampler::set_thread_clock`]); the handler re-arms the
+    /// timer only while it is the clock.
+    clock: AtomicU8,
+    /// The thread's CPU time at its previous timer sample (or when the timer
+    /// became its clock): a timer sample weighs exactly the CPU time since.
+    timer_base_ns: AtomicU64,
     walking: UnsafeCell<Walking>,
     ring: Ring,
     /// Samples written.
@@ -177,10 +185,12 @@ struct Walking {
     period_ns: u64,
     rng: u64,
     samples: u64,
-    /// The thread's CPU clock at its previous sample (timer sampling): a
-    /// sample weighs exactly the CPU time since.
-    last_cpu_ns: u64,
 }
+
+/// [`ThreadSlot::clock`]: a perf event samples the thread.
+const CLOCK_PERF: u8 = 0;
+/// [`ThreadSlot::clock`]: a POSIX CPU timer samples the thread.
+const CLOCK_TIMER: u8 = 1;
 
 /// Samples between changes of a perf event's period.
 const PERIOD_CHANGE_EVERY: u64 = 16;
@@ -613,7 +623,16 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
     let weight_ns = if requested {
         // Asked for, not a clock's: no weight, and the clock is untouched.
         0
-    } else if slot.perf_fd >= 0 {
+    } else if code != SI_TIMER {
+        // A perf event's overflow (only those and timers get this far).
+        if slot.clock.load(Ordering::Acquire) != CLOCK_PERF {
+            // Raised just before the thread moved to a timer, which weighs
+            // the CPU time from then on. Marked read, so that the event's
+            // buffer is empty when it runs again.
+            consume_perf_records(slot.perf_page);
+            NOT_READY.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         // The period that just ran out is this sample's weight. Periods are
         // spread around the interval (each thread starts with its own), so a
         // program whose work repeats at the sampling period is not always
@@ -636,9 +655,14 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
         // which tick is sampled is random and a program whose work repeats
         // with the tick is not always seen at the same point.
         let _ = overrun;
+        if slot.clock.load(Ordering::Acquire) != CLOCK_TIMER {
+            // The thread went back to its perf event while this signal was
+            // on its way: the event weighs that CPU time, not this.
+            NOT_READY.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         let now = thread_cpu_ns();
-        let elapsed = now.saturating_sub(walking.last_cpu_ns);
-        walking.last_cpu_ns = now;
+        let elapsed = now.saturating_sub(slot.timer_base_ns.swap(now, Ordering::Relaxed));
         let delay = dithered_period(&mut walking.rng, slot.interval_ns.load(Ordering::Relaxed));
         let _ = arm_timer_once(slot.timer_id.load(Ordering::Relaxed), delay);
         elapsed
@@ -1045,15 +1069,22 @@ impl SignalSampler {
         ENABLED.store(on, Ordering::Release);
         // Paused perf events cost nothing; timers keep running and their
         // signals are dropped while sampling is off.
-        for &(_, fd) in &self.perf_fds {
-            enable_perf_event(fd, on);
+        // Each thread's own clock only: one moved to a timer keeps its perf
+        // event off.
+        for &(index, fd) in &self.perf_fds {
+            // SAFETY: slots are freed only with `&mut self`.
+            let perf_is_clock = unsafe { SLOTS[index].load(Ordering::Acquire).as_ref() }
+                .is_some_and(|slot| slot.clock.load(Ordering::Acquire) == CLOCK_PERF);
+            enable_perf_event(fd, on && perf_is_clock);
         }
         if on {
             // A timer that fired while sampling was off was not re-armed.
             for &(index, timer) in &self.timers {
                 // SAFETY: slots are freed only with `&mut self`.
                 if let Some(slot) = unsafe { SLOTS[index].load(Ordering::Acquire).as_ref() } {
-                    let _ = arm_timer_once(timer, slot.interval_ns.load(Ordering::Relaxed));
+                    if slot.clock.load(Ordering::Acquire) == CLOCK_TIMER {
+                        let _ = arm_timer_once(timer, slot.interval_ns.load(Ordering::Relaxed));
+                    }
                 }
             }
         }
@@ -1133,13 +1164,14 @@ impl SignalSampler {
             perf_page,
             interval_ns: AtomicU64::new(interval_ns),
             timer_id: std::sync::atomic::AtomicI32::new(-1),
+            clock: AtomicU8::new(if perf_fd >= 0 { CLOCK_PERF } else { CLOCK_TIMER }),
+            timer_base_ns: AtomicU64::new(crate::thread_cpu_time_ns(tid).unwrap_or(0)),
             walking: UnsafeCell::new(Walking {
                 cache: WalkCache::new(),
                 frames: [0; MAX_FRAMES],
                 period_ns: 0,
                 rng: seed | 1,
                 samples: 0,
-                last_cpu_ns: crate::thread_cpu_time_ns(tid).unwrap_or(0),
             }),
             ring: Ring::new(),
             samples: AtomicU64::new(0),
@@ -1285,6 +1317,68 @@ impl SignalSampler {
     /// Samples stored for thread `id` on request so far.
     pub fn requested_samples_of(&self, id: SlotId) -> u64 {
         self.slot(id).map_or(0, |s| s.requested_samples.load(Ordering::Acquire))
+    }
+
+    /// Moves thread `id` from its perf event to a POSIX CPU timer
+    /// (`timer`) or back. A perf event costs at every context switch (the
+    /// kernel schedules it out and in and reprograms its timer), a timer
+    /// nothing until it fires; so a thread that switches often is cheaper
+    /// on a timer, and a thread that runs long stretches keeps the exact
+    /// clock. The event stays open (disabled) while the timer runs, so the
+    /// handler never meets a closed descriptor. `Ok(false)` if nothing
+    /// changed (already on that clock, or the thread has no perf event).
+    pub fn set_thread_clock(&mut self, id: SlotId, timer: bool) -> std::io::Result<bool> {
+        // SAFETY: slots are freed only with `&mut self`.
+        let Some(slot) = (unsafe { SLOTS.get(id.0).and_then(|s| s.load(Ordering::Acquire).as_ref()) }) else {
+            return Ok(false);
+        };
+        let wanted = if timer { CLOCK_TIMER } else { CLOCK_PERF };
+        if slot.perf_fd < 0 || slot.clock.load(Ordering::Acquire) == wanted {
+            return Ok(false);
+        }
+        let enabled = ENABLED.load(Ordering::Acquire);
+        if timer {
+            let mut id_of_timer = slot.timer_id.load(Ordering::Acquire);
+            if id_of_timer < 0 {
+                id_of_timer = create_cpu_timer(slot.tid, id.0)?;
+                slot.timer_id.store(id_of_timer, Ordering::Release);
+                self.timers.push((id.0, id_of_timer));
+            }
+            // The perf event's last period is weighed by its last sample;
+            // the timer's first weighs the CPU time from here.
+            enable_perf_event(slot.perf_fd, false);
+            slot.timer_base_ns.store(crate::thread_cpu_time_ns(slot.tid).unwrap_or(0), Ordering::Relaxed);
+            slot.clock.store(CLOCK_TIMER, Ordering::Release);
+            if enabled {
+                arm_timer_once(id_of_timer, slot.interval_ns.load(Ordering::Relaxed))?;
+            }
+        } else {
+            slot.clock.store(CLOCK_PERF, Ordering::Release);
+            // Disarmed (a zero delay): a handler that read the old clock
+            // just before may arm it once more; its signal then finds the
+            // clock changed and is dropped, and re-arms nothing.
+            let _ = arm_timer_once(slot.timer_id.load(Ordering::Acquire), 0);
+            if enabled {
+                enable_perf_event(slot.perf_fd, true);
+            }
+        }
+        Ok(true)
+    }
+
+    /// How many threads each clock samples now: (perf events, timers).
+    pub fn clocks_in_use(&self) -> (usize, usize) {
+        let mut counts = (0, 0);
+        for slot in SLOTS.iter().take(self.next_slot) {
+            // SAFETY: slots are freed only with `&mut self`.
+            if let Some(s) = unsafe { slot.load(Ordering::Acquire).as_ref() } {
+                if s.clock.load(Ordering::Relaxed) == CLOCK_PERF {
+                    counts.0 += 1;
+                } else {
+                    counts.1 += 1;
+                }
+            }
+        }
+        counts
     }
 
     /// How many threads perf events sample, and why perf events are not
@@ -1666,6 +1760,26 @@ mod tests {
             "{through_middle} of {} through spin_middle",
             samples.len()
         );
+        // Moved to a timer and back (`--cpu-clock auto`), the thread goes on
+        // being sampled, by one clock at a time.
+        if perf == 1 {
+            for (timer, expected) in [(true, (0, 1)), (false, (1, 0))] {
+                assert!(sampler.set_thread_clock(slot, timer).unwrap());
+                assert!(!sampler.set_thread_clock(slot, timer).unwrap(), "already on that clock");
+                assert_eq!(sampler.clocks_in_use(), expected);
+                sampler.slot(slot).unwrap().drain(&mut scratch, |_| {});
+                let mut more = 0;
+                let started = Instant::now();
+                while more < 20 && started.elapsed() < Duration::from_secs(20) {
+                    std::thread::sleep(Duration::from_millis(20));
+                    sampler.slot(slot).unwrap().drain(&mut scratch, |s| {
+                        assert_ne!(s.weight_ns, 0);
+                        more += 1;
+                    });
+                }
+                assert!(more >= 20, "only {more} samples after moving to timer={timer}");
+            }
+        }
         // The worker keeps running through the uninstall and after it: with
         // SIGPROF back to its default action, any late signal of ours (a
         // timer, a perf event kept alive by its mapping) would kill this

@@ -30,7 +30,7 @@ use corsnap_unwind::process::{native_module, parse_maps, stack_ranges, LoadedElf
 use corsnap_unwind::{
     flags, lookup_address, parse_hijack_stub, CodeMap, HijackStub, ManagedCode, NativeModule, HIJACK_STUB_START,
 };
-use corsnap_wire::{SamplerStats, NATIVE_FRAME_BIT, NO_IL_OFFSET};
+use corsnap_wire::{CpuClock, SamplerStats, NATIVE_FRAME_BIT, NO_IL_OFFSET};
 
 use crate::code_learning::{CodeLearner, Learned, STUB_TAG};
 use crate::log;
@@ -72,6 +72,14 @@ const LEARNING_AT_START: Duration = Duration::from_secs(1);
 
 /// How often `/proc/self/task` is read for new and exited threads.
 const THREAD_SCAN_EVERY: Duration = Duration::from_millis(100);
+/// How often `--cpu-clock auto` looks at each thread's context switches.
+const CLOCK_CHECK_EVERY: Duration = Duration::from_secs(1);
+/// A thread that blocks this often a second moves to a timer: its perf
+/// event would cost it at least 0.04% of a core in switches alone (at ~2 µs
+/// each), more than the samples it takes at 100 Hz.
+const TIMER_ABOVE_SWITCHES_PER_S: f64 = 200.0;
+/// ... and back to its perf event below this.
+const PERF_BELOW_SWITCHES_PER_S: f64 = 50.0;
 /// Entries in the address caches before they are emptied.
 const CACHE_CAP: usize = 200_000;
 /// Resolved stacks kept (each up to a few hundred words).
@@ -125,6 +133,9 @@ struct Sampled {
     slot: SlotId,
     /// The runtime's object for this thread, as its handler was last told.
     runtime_thread: u64,
+    /// Its voluntary context switches when last looked at, and when
+    /// (`--cpu-clock auto`).
+    switches: Option<(u64, Instant)>,
 }
 
 pub struct SignalEngine {
@@ -146,6 +157,10 @@ pub struct SignalEngine {
     refused: HashSet<u32>,
     own_tids: HashSet<u32>,
     next_scan: Instant,
+    /// `--cpu-clock auto`: each thread's clock follows how often it blocks.
+    clock_per_thread: bool,
+    next_clock_check: Instant,
+    clock_switches: u64,
     loader_counters: (u64, u64),
     natives: Vec<NativeModule>,
     native_cache: HashMap<(String, u64), Option<NativeModule>>,
@@ -221,7 +236,8 @@ impl SignalEngine {
             },
             layout.source
         ));
-        let sampler = SignalSampler::install(shared.use_perf).map_err(|e| match e {
+        let clock_per_thread = shared.cpu_clock == CpuClock::Auto;
+        let sampler = SignalSampler::install(shared.cpu_clock != CpuClock::Timer).map_err(|e| match e {
             signal::InstallError::SignalInUse => {
                 "the program has its own SIGPROF handler, which corsnap will not replace".to_string()
             }
@@ -243,6 +259,9 @@ impl SignalEngine {
             refused: HashSet::new(),
             own_tids: HashSet::new(),
             next_scan: Instant::now(),
+            clock_per_thread,
+            next_clock_check: Instant::now() + CLOCK_CHECK_EVERY,
+            clock_switches: 0,
             loader_counters: (u64::MAX, u64::MAX),
             natives: Vec::new(),
             native_cache: HashMap::new(),
@@ -343,6 +362,9 @@ impl SignalEngine {
             self.refresh_modules();
             self.scan_threads();
         }
+        if self.clock_per_thread && Instant::now() >= self.next_clock_check {
+            self.choose_clocks();
+        }
         self.learn_compiled();
         self.drain(out);
         out.append(&mut self.leftovers);
@@ -419,6 +441,10 @@ impl SignalEngine {
         stats.unknown_code_stacks = self.unknown_code;
         stats.truncated_stacks = self.truncated;
         stats.threads_sampled = self.threads.len() as u64;
+        if let Some(s) = &self.sampler {
+            stats.threads_on_timers = s.clocks_in_use().1 as u64;
+        }
+        stats.clock_switches = self.clock_switches;
         stats.cache_resets += self.resets;
         let mut times = self.handler_times.clone();
         times.sort_unstable();
@@ -1003,11 +1029,56 @@ impl SignalEngine {
             }
             match sampler.add_thread(tid, self.interval_ns) {
                 Ok(slot) => {
-                    self.threads.insert(tid, Sampled { slot, runtime_thread: 0 });
+                    self.threads.insert(tid, Sampled { slot, runtime_thread: 0, switches: None });
                 }
                 Err(_) => {
                     self.refused.insert(tid);
                 }
+            }
+        }
+    }
+
+    /// `--cpu-clock auto`: a perf event costs its thread about 2 µs at
+    /// every context switch (the kernel schedules the event out and in and
+    /// reprograms its timer; measured under ASP.NET Core, whose threads hand
+    /// work to each other ~20,000 times a second), a POSIX CPU timer
+    /// nothing until it fires. So a thread that blocks often moves to a
+    /// timer, and one that runs long stretches keeps its perf event (exact,
+    /// and not bound to the scheduler tick). Voluntary switches only: a busy
+    /// thread preempted on a crowded machine switches often too, and its
+    /// samples should stay exact. Hysteresis keeps a thread near the line
+    /// from flapping.
+    fn choose_clocks(&mut self) {
+        let now = Instant::now();
+        self.next_clock_check = now + CLOCK_CHECK_EVERY;
+        let Some(sampler) = self.sampler.as_mut() else { return };
+        for (&tid, sampled) in self.threads.iter_mut() {
+            let Some(count) = voluntary_switches(tid) else { continue };
+            let Some((before, at)) = sampled.switches.replace((count, now)) else { continue };
+            let secs = now.duration_since(at).as_secs_f64();
+            if secs < 0.1 {
+                continue;
+            }
+            let per_second = count.saturating_sub(before) as f64 / secs;
+            let timer = if per_second >= TIMER_ABOVE_SWITCHES_PER_S {
+                true
+            } else if per_second < PERF_BELOW_SWITCHES_PER_S {
+                false
+            } else {
+                continue;
+            };
+            match sampler.set_thread_clock(sampled.slot, timer) {
+                Ok(true) => {
+                    self.clock_switches += 1;
+                    let name = std::fs::read_to_string(format!("/proc/self/task/{tid}/comm")).unwrap_or_default();
+                    log::write(format_args!(
+                        "clock: thread {tid} ({}) blocks {per_second:.0} times a second: now sampled by {}",
+                        name.trim_end(),
+                        if timer { "a CPU timer" } else { "its perf event" }
+                    ));
+                }
+                Ok(false) => {}
+                Err(e) => log::write(format_args!("thread {tid}: could not change its clock: {e}")),
             }
         }
     }
@@ -1156,5 +1227,28 @@ mod funclet_tests {
         let mut frames = vec![40, 1, 41, 40, 10, 2, 10, 30];
         fold_funclets(&mut frames, &mut Vec::new(), &[(0, 40), (4, 10)]);
         assert_eq!(frames, [40, 10, 30]);
+    }
+}
+
+/// The thread's voluntary context switches so far (blocking waits), from
+/// `/proc/self/task/{tid}/status`.
+fn voluntary_switches(tid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).ok()?;
+    parse_voluntary_switches(&status)
+}
+
+fn parse_voluntary_switches(status: &str) -> Option<u64> {
+    status.lines().find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))?.trim().parse().ok()
+}
+
+#[cfg(test)]
+mod clock_tests {
+    use super::parse_voluntary_switches;
+
+    #[test]
+    fn voluntary_switches_are_read_from_the_status_file() {
+        let status = "Name:\tdotnet\nvoluntary_ctxt_switches:\t1234\nnonvoluntary_ctxt_switches:\t56\n";
+        assert_eq!(parse_voluntary_switches(status), Some(1234));
+        assert_eq!(parse_voluntary_switches("Name:\tx\n"), None);
     }
 }

@@ -58,9 +58,9 @@ pub const ENV_BENCH_ALLOC_SESSION_ONLY: &str = "CORSNAP_BENCH_ALLOC_SESSION_ONLY
 
 /// Which engine takes CPU samples in a launched agent: `signal` or `suspend`.
 pub const ENV_SAMPLER: &str = "CORSNAP_SAMPLER";
-/// When `1`, the signal engine samples with POSIX CPU timers, not perf
-/// events (`--cpu-clock timer`).
-pub const ENV_NO_PERF_EVENTS: &str = "CORSNAP_NO_PERF_EVENTS";
+/// The signal engine's clock in a launched agent ([`CpuClock::name`];
+/// `--cpu-clock`). Absent, it is [`CpuClock::Perf`].
+pub const ENV_CPU_CLOCK: &str = "CORSNAP_CPU_CLOCK";
 /// Folders a launched agent searches for native debug files (`--symbols`),
 /// separated by newlines (a path may hold a `:`).
 pub const ENV_SYMBOLS: &str = "CORSNAP_SYMBOLS";
@@ -95,6 +95,38 @@ impl SamplerKind {
 
 /// How a launched agent walks event stacks: `native` or `snapshot`.
 pub const ENV_WALKER: &str = "CORSNAP_WALKER";
+
+/// What interrupts a thread for the signal engine's samples.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CpuClock {
+    /// A perf event for each thread that runs long stretches, a POSIX CPU
+    /// timer for each that switches often (where perf events cost at every
+    /// switch); decided per thread as it runs.
+    Auto,
+    /// A perf event on every thread's CPU time (where the kernel allows one).
+    Perf,
+    /// A POSIX CPU-time timer on every thread.
+    Timer,
+}
+
+impl CpuClock {
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuClock::Auto => "auto",
+            CpuClock::Perf => "perf",
+            CpuClock::Timer => "timer",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<CpuClock> {
+        match s {
+            "auto" => Some(CpuClock::Auto),
+            "perf" => Some(CpuClock::Perf),
+            "timer" => Some(CpuClock::Timer),
+            _ => None,
+        }
+    }
+}
 
 /// How event stacks (exceptions, allocation ticks, class loads, collections)
 /// are walked.
@@ -199,6 +231,12 @@ pub struct SamplerStats {
     pub handler_p99_ns: u64,
     /// Signal engine: threads with a CPU timer now.
     pub threads_sampled: u64,
+    /// Signal engine: of those, threads a POSIX CPU timer samples now (the
+    /// rest have perf events).
+    pub threads_on_timers: u64,
+    /// Signal engine (`--cpu-clock auto`): times a thread was moved from
+    /// one clock to the other.
+    pub clock_switches: u64,
 }
 
 /// Everything that travels from the agent to the CLI. `Recording` is written
@@ -711,7 +749,7 @@ fn finish_frame(buf: &mut [u8], start: usize) {
     buf[start..start + 4].copy_from_slice(&len.to_le_bytes());
 }
 
-const STATS_FIELDS: usize = 27;
+const STATS_FIELDS: usize = 29;
 
 fn stats_fields(s: &SamplerStats) -> [u64; STATS_FIELDS] {
     [
@@ -742,6 +780,8 @@ fn stats_fields(s: &SamplerStats) -> [u64; STATS_FIELDS] {
         s.handler_p50_ns,
         s.handler_p99_ns,
         s.threads_sampled,
+        s.threads_on_timers,
+        s.clock_switches,
     ]
 }
 
@@ -774,6 +814,8 @@ fn stats_from_fields(v: [u64; STATS_FIELDS]) -> SamplerStats {
         handler_p50_ns: v[24],
         handler_p99_ns: v[25],
         threads_sampled: v[26],
+        threads_on_timers: v[27],
+        clock_switches: v[28],
     }
 }
 
@@ -916,8 +958,9 @@ pub struct AttachRequest {
     /// How to take CPU samples; a request without it means `suspend` (what
     /// agents before the signal engine did).
     pub sampler: SamplerKind,
-    /// The signal engine's clock: POSIX timers instead of perf events.
-    pub timers: bool,
+    /// The signal engine's clock; a request without it means `perf` (what
+    /// agents before the choice per thread did).
+    pub clock: CpuClock,
     /// How event stacks are walked; a request without it means `snapshot`
     /// (what agents before the native walker did).
     pub walker: WalkerKind,
@@ -936,8 +979,8 @@ impl AttachRequest {
         if self.sampler != SamplerKind::Suspend {
             s.push_str(&format!("sampler={}\n", self.sampler.name()));
         }
-        if self.timers {
-            s.push_str("clock=timer\n");
+        if self.clock != CpuClock::Perf {
+            s.push_str(&format!("clock={}\n", self.clock.name()));
         }
         if self.walker != WalkerKind::Snapshot {
             s.push_str(&format!("walker={}\n", self.walker.name()));
@@ -968,7 +1011,7 @@ impl AttachRequest {
         let (mut socket, mut rate, mut log, mut events) = (None, None, None, None);
         let mut max_pause_ppm = DEFAULT_MAX_PAUSE_PPM;
         let mut sampler = SamplerKind::Suspend;
-        let mut timers = false;
+        let mut clock = CpuClock::Perf;
         let mut walker = WalkerKind::Snapshot;
         let mut symbols = Vec::new();
         for line in lines {
@@ -979,8 +1022,7 @@ impl AttachRequest {
                 ("pause", v) => max_pause_ppm = v.parse().ok()?,
                 ("log", v) => log = Some(v.to_string()),
                 ("sampler", v) => sampler = SamplerKind::parse(v)?,
-                ("clock", "timer") => timers = true,
-                ("clock", "perf") => timers = false,
+                ("clock", v) => clock = CpuClock::parse(v)?,
                 ("walker", v) => walker = WalkerKind::parse(v)?,
                 ("symbols", v) if !v.is_empty() => symbols.push(v.to_string()),
                 _ => return None,
@@ -993,7 +1035,7 @@ impl AttachRequest {
             max_pause_ppm,
             log,
             sampler,
-            timers,
+            clock,
             walker,
             symbols,
         })
@@ -1134,15 +1176,15 @@ mod tests {
         let body = &buf[4..];
         // Version 2 agents (and raw recordings) sent 18 fields, and those
         // before the signal engine 19.
-        let older = &body[..body.len() - 9 * 8];
+        let older = &body[..body.len() - 11 * 8];
         assert_eq!(
             Message::decode(older),
             Ok(Message::Stats(SamplerStats { throttled_ticks: 0, ..stats })),
             "the 18 fields of an older agent"
         );
-        let before_signal = &body[..body.len() - 8 * 8];
+        let before_signal = &body[..body.len() - 10 * 8];
         assert_eq!(Message::decode(before_signal), Ok(Message::Stats(stats)), "19 fields");
-        assert!(Message::decode(&body[..body.len() - 10 * 8]).is_err(), "fewer than 18 is broken");
+        assert!(Message::decode(&body[..body.len() - 12 * 8]).is_err(), "fewer than 18 is broken");
     }
 
     #[test]
@@ -1227,13 +1269,17 @@ mod tests {
             max_pause_ppm: 35_000,
             log: Some("/tmp/a.log".into()),
             sampler: SamplerKind::Signal,
-            timers: true,
+            clock: CpuClock::Timer,
             walker: WalkerKind::Native,
             symbols: vec!["/opt/symbols".into(), "/with:colon".into()],
         };
         assert_eq!(AttachRequest::decode(&req.encode()), Some(req.clone()));
         let snapshot = AttachRequest { walker: WalkerKind::Snapshot, ..req.clone() };
         assert_eq!(AttachRequest::decode(&snapshot.encode()), Some(snapshot));
+        for clock in [CpuClock::Auto, CpuClock::Perf] {
+            let other = AttachRequest { clock, ..req.clone() };
+            assert_eq!(AttachRequest::decode(&other.encode()), Some(other));
+        }
         let suspend = AttachRequest { sampler: SamplerKind::Suspend, ..req };
         assert_eq!(AttachRequest::decode(&suspend.encode()), Some(suspend));
         let without_pause = AttachRequest::decode(b"corsnap-attach-v1\nsocket=/s\nrate=5\nevents=1\n").unwrap();

@@ -25,7 +25,7 @@ pub fn run(options: &DumpOptions) -> Result<()> {
     let listener = Listener::for_process(options.pid)?;
     let request = AttachRequest {
         sampler: corsnap_wire::SamplerKind::Suspend,
-        timers: false,
+        clock: corsnap_wire::CpuClock::Perf,
         walker: corsnap_wire::WalkerKind::Snapshot,
         symbols: Vec::new(),
         socket: listener.socket_path().to_string_lossy().into_owned(),

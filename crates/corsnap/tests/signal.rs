@@ -243,6 +243,43 @@ fn verified(runtime: Runtime) {
     }
 }
 
+/// `--cpu-clock auto` (the default): threads that block thousands of times a
+/// second (each switch would cost them their perf event's reprogramming)
+/// move to CPU timers, a thread that computes keeps its perf event, and the
+/// CPU shares the threads measure themselves still show within 5 points.
+#[test]
+fn threads_that_block_often_move_to_timers_and_shares_stay_right() {
+    let dir = scratch("signal-clocks");
+    let log = dir.join("agent.log");
+    let (stacks, output) =
+        run_with_output(Runtime::Net10, "handoff", &["4"], &["--stats", "--agent-log", log.to_str().unwrap()], &[]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let log = std::fs::read_to_string(&log).unwrap();
+    let moved: Vec<&str> = log.lines().filter(|l| l.contains("clock: thread")).collect();
+    let to_timer = |name: &str| moved.iter().any(|l| l.contains(&format!("({name})")) && l.ends_with("a CPU timer"));
+    assert!(to_timer("handoff-ping") && to_timer("handoff-pong"), "{}\n{stderr}", moved.join("\n"));
+    assert!(!moved.iter().any(|l| l.contains("(crunch)")), "{}", moved.join("\n"));
+    let on_timers: u64 = stderr
+        .split_once(" by CPU timers")
+        .and_then(|(before, _)| before.rsplit('(').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no clock count in:\n{stderr}"));
+    assert!(on_timers >= 2, "{stderr}");
+
+    let truth = measured_shares(&stdout);
+    let shown = shares(&stacks, &["Handoff.Crunch", "Handoff.Ping", "Handoff.Pong"]);
+    for (method, key) in [("Handoff.Crunch", "crunch"), ("Handoff.Ping", "ping"), ("Handoff.Pong", "pong")] {
+        let diff = (shown[method] - truth[key]).abs() * 100.0;
+        assert!(
+            diff <= 5.0,
+            "{method}: measured {:.1}%, shown {:.1}%\n{}",
+            truth[key] * 100.0,
+            shown[method] * 100.0,
+            describe(&stacks)
+        );
+    }
+}
+
 #[test]
 fn timers_take_over_where_perf_events_are_not_allowed() {
     // --cpu-clock timer is what a container that forbids perf_event_open

@@ -61,11 +61,14 @@ pub fn describe_stats(s: &corsnap_wire::SamplerStats) -> String {
             String::new()
         };
         return format!(
-            "agent (signal engine): {} samples from {} threads now sampled, {} dropped; per sample in the handler \
-             median {:.1} µs, p99 {:.1} µs; {} stacks incomplete, {} through code not yet learned, {} truncated; \
-             agent thread CPU {:.0} ms; {} names ({} unresolved){suspend}",
+            "agent (signal engine): {} samples from {} threads now sampled ({} by CPU timers, the rest by perf \
+             events; {} clock changes), {} dropped; per sample in the handler median {:.1} µs, p99 {:.1} µs; {} \
+             stacks incomplete, {} through code not yet learned, {} truncated; agent thread CPU {:.0} ms; {} names \
+             ({} unresolved){suspend}",
             s.signal_samples,
             s.threads_sampled,
+            s.threads_on_timers,
+            s.clock_switches,
             s.signal_dropped,
             us(s.handler_p50_ns),
             us(s.handler_p99_ns),

@@ -71,9 +71,7 @@ pub(crate) fn launch_with_output(
     command.env(corsnap_wire::ENV_MAX_PAUSE, options.max_pause_ppm.to_string());
     command.env(corsnap_wire::ENV_SAMPLER, options.sampler.name());
     command.env(corsnap_wire::ENV_WALKER, options.walker.name());
-    if options.timers {
-        command.env(corsnap_wire::ENV_NO_PERF_EVENTS, "1");
-    }
+    command.env(corsnap_wire::ENV_CPU_CLOCK, options.clock.name());
     if options.subprocesses {
         command.env(corsnap_wire::ENV_SUBPROCESSES, "1");
     } else {

@@ -55,8 +55,8 @@ pub struct RecordOptions {
     pub max_pause_ppm: u32,
     /// How CPU samples are taken.
     pub sampler: SamplerKind,
-    /// The signal engine's clock: POSIX timers instead of perf events.
-    pub timers: bool,
+    /// The signal engine's clock.
+    pub clock: corsnap_wire::CpuClock,
     /// How event stacks are walked.
     pub walker: WalkerKind,
     /// Folders of native debug files (`--symbols`), absolute.
@@ -231,7 +231,7 @@ pub fn run(options: &RecordOptions) -> Result<ExitCode> {
                 max_pause_ppm: options.max_pause_ppm,
                 log: options.agent_log.as_deref().map(|p| absolute(p).to_string_lossy().into_owned()),
                 sampler: options.sampler,
-                timers: options.timers,
+                clock: options.clock,
                 walker: options.walker,
                 symbols: options.symbol_dirs.iter().map(|d| d.to_string_lossy().into_owned()).collect(),
             };
