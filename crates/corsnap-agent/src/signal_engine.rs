@@ -74,12 +74,13 @@ const LEARNING_AT_START: Duration = Duration::from_secs(1);
 const THREAD_SCAN_EVERY: Duration = Duration::from_millis(100);
 /// How often `--cpu-clock auto` looks at each thread's context switches.
 const CLOCK_CHECK_EVERY: Duration = Duration::from_secs(1);
-/// A thread that blocks this often a second moves to a timer: its perf
-/// event would cost it at least 0.04% of a core in switches alone (at ~2 µs
-/// each), more than the samples it takes at 100 Hz.
-const TIMER_ABOVE_SWITCHES_PER_S: f64 = 200.0;
+/// A thread that switches this often a second moves to a timer: its perf
+/// event would cost it 0.2% of a core in switches alone (at ~2 µs each),
+/// more than its samples at 100 Hz. A thread preempted only at the end of
+/// its time slices (1.5 ms and more here) stays under it.
+const TIMER_ABOVE_SWITCHES_PER_S: f64 = 1000.0;
 /// ... and back to its perf event below this.
-const PERF_BELOW_SWITCHES_PER_S: f64 = 50.0;
+const PERF_BELOW_SWITCHES_PER_S: f64 = 250.0;
 /// Entries in the address caches before they are emptied.
 const CACHE_CAP: usize = 200_000;
 /// Resolved stacks kept (each up to a few hundred words).
@@ -133,8 +134,8 @@ struct Sampled {
     slot: SlotId,
     /// The runtime's object for this thread, as its handler was last told.
     runtime_thread: u64,
-    /// Its voluntary context switches when last looked at, and when
-    /// (`--cpu-clock auto`).
+    /// Its context switches when last looked at, and when (`--cpu-clock
+    /// auto`).
     switches: Option<(u64, Instant)>,
 }
 
@@ -260,7 +261,9 @@ impl SignalEngine {
             own_tids: HashSet::new(),
             next_scan: Instant::now(),
             clock_per_thread,
-            next_clock_check: Instant::now() + CLOCK_CHECK_EVERY,
+            // Sooner the first time: an attach to a busy server pays for
+            // its perf events until then.
+            next_clock_check: Instant::now() + CLOCK_CHECK_EVERY / 2,
             clock_switches: 0,
             loader_counters: (u64::MAX, u64::MAX),
             natives: Vec::new(),
@@ -1029,7 +1032,11 @@ impl SignalEngine {
             }
             match sampler.add_thread(tid, self.interval_ns) {
                 Ok(slot) => {
-                    self.threads.insert(tid, Sampled { slot, runtime_thread: 0, switches: None });
+                    // The first look at its switches is its baseline, so its
+                    // clock can be chosen at the next check.
+                    let switches =
+                        if self.clock_per_thread { context_switches(tid).map(|c| (c, Instant::now())) } else { None };
+                    self.threads.insert(tid, Sampled { slot, runtime_thread: 0, switches });
                 }
                 Err(_) => {
                     self.refused.insert(tid);
@@ -1040,20 +1047,22 @@ impl SignalEngine {
 
     /// `--cpu-clock auto`: a perf event costs its thread about 2 µs at
     /// every context switch (the kernel schedules the event out and in and
-    /// reprograms its timer; measured under ASP.NET Core, whose threads hand
-    /// work to each other ~20,000 times a second), a POSIX CPU timer
-    /// nothing until it fires. So a thread that blocks often moves to a
-    /// timer, and one that runs long stretches keeps its perf event (exact,
-    /// and not bound to the scheduler tick). Voluntary switches only: a busy
-    /// thread preempted on a crowded machine switches often too, and its
-    /// samples should stay exact. Hysteresis keeps a thread near the line
-    /// from flapping.
+    /// reprograms its timer), a POSIX CPU timer nothing until it fires. So a
+    /// thread that switches often moves to a timer, and one that runs long
+    /// stretches keeps its perf event (exact, and not bound to the
+    /// scheduler tick). Under ASP.NET Core on two cores, the socket thread
+    /// blocks ~20,000 times a second and wakes the thread-pool workers, which
+    /// it preempts ~20,000 times a second each: both kinds of switch count.
+    /// A busy thread on a crowded machine is preempted only at the end of
+    /// its time slice (a few milliseconds), well under the line, and keeps
+    /// its exact clock. Hysteresis keeps a thread near the line from
+    /// flapping.
     fn choose_clocks(&mut self) {
         let now = Instant::now();
         self.next_clock_check = now + CLOCK_CHECK_EVERY;
         let Some(sampler) = self.sampler.as_mut() else { return };
         for (&tid, sampled) in self.threads.iter_mut() {
-            let Some(count) = voluntary_switches(tid) else { continue };
+            let Some(count) = context_switches(tid) else { continue };
             let Some((before, at)) = sampled.switches.replace((count, now)) else { continue };
             let secs = now.duration_since(at).as_secs_f64();
             if secs < 0.1 {
@@ -1072,7 +1081,7 @@ impl SignalEngine {
                     self.clock_switches += 1;
                     let name = std::fs::read_to_string(format!("/proc/self/task/{tid}/comm")).unwrap_or_default();
                     log::write(format_args!(
-                        "clock: thread {tid} ({}) blocks {per_second:.0} times a second: now sampled by {}",
+                        "clock: thread {tid} ({}) switches {per_second:.0} times a second: now sampled by {}",
                         name.trim_end(),
                         if timer { "a CPU timer" } else { "its perf event" }
                     ));
@@ -1230,25 +1239,27 @@ mod funclet_tests {
     }
 }
 
-/// The thread's voluntary context switches so far (blocking waits), from
-/// `/proc/self/task/{tid}/status`.
-fn voluntary_switches(tid: u32) -> Option<u64> {
+/// The thread's context switches so far, voluntary (it blocked) and not
+/// (it was preempted), from `/proc/self/task/{tid}/status` (always kept,
+/// unlike `schedstat`, which a kernel may build without).
+fn context_switches(tid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).ok()?;
-    parse_voluntary_switches(&status)
+    parse_context_switches(&status)
 }
 
-fn parse_voluntary_switches(status: &str) -> Option<u64> {
-    status.lines().find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))?.trim().parse().ok()
+fn parse_context_switches(status: &str) -> Option<u64> {
+    let count = |key: &str| -> Option<u64> { status.lines().find_map(|l| l.strip_prefix(key))?.trim().parse().ok() };
+    Some(count("voluntary_ctxt_switches:")? + count("nonvoluntary_ctxt_switches:")?)
 }
 
 #[cfg(test)]
 mod clock_tests {
-    use super::parse_voluntary_switches;
+    use super::parse_context_switches;
 
     #[test]
-    fn voluntary_switches_are_read_from_the_status_file() {
+    fn context_switches_of_both_kinds_are_read_from_the_status_file() {
         let status = "Name:\tdotnet\nvoluntary_ctxt_switches:\t1234\nnonvoluntary_ctxt_switches:\t56\n";
-        assert_eq!(parse_voluntary_switches(status), Some(1234));
-        assert_eq!(parse_voluntary_switches("Name:\tx\n"), None);
+        assert_eq!(parse_context_switches(status), Some(1290));
+        assert_eq!(parse_context_switches("Name:\tx\n"), None);
     }
 }

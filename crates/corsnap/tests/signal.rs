@@ -243,7 +243,7 @@ fn verified(runtime: Runtime) {
     }
 }
 
-/// `--cpu-clock auto` (the default): threads that block thousands of times a
+/// `--cpu-clock auto` (the default): threads that switch thousands of times a
 /// second (each switch would cost them their perf event's reprogramming)
 /// move to CPU timers, a thread that computes keeps its perf event, and the
 /// CPU shares the threads measure themselves still show within 5 points.
