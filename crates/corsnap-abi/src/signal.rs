@@ -55,11 +55,11 @@
 use std::cell::UnsafeCell;
 use std::ffi::{c_int, c_void};
 use std::ptr::null_mut;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use corsnap_unwind::{CodeMap, Memory, Regs, WalkCache};
+use corsnap_unwind::{CodeMap, ManagedCode, Memory, Regs, WalkCache};
 
 /// The signal the timers raise. The runtime owns `SIGRTMIN` and several
 /// others; `SIGPROF` is free in CoreCLR and is what profilers use.
@@ -141,12 +141,18 @@ static PANICKED: AtomicU64 = AtomicU64::new(0);
 /// thread) and the ring the agent drains.
 pub struct ThreadSlot {
     tid: u32,
-    /// The perf event that samples this thread, or -1 (a POSIX timer does).
-    perf_fd: i32,
+    /// The perf event that samples this thread, or -1 (a POSIX timer
+    /// does). Changed only by the agent ([`Sampler::set_thread_clock`]),
+    /// which closes a replaced event once no handler can be using it.
+    perf_fd: AtomicI32,
     /// Its ring buffer's control page (0 without one): the handler marks
     /// each overflow record read, so the event never stops for a full
     /// buffer and needs no system call to go on.
-    perf_page: usize,
+    perf_page: AtomicUsize,
+    /// The period the perf event is running now (the weight of its next
+    /// sample). Set by the handler as it changes it, read by the agent
+    /// when it starts a new event for the thread.
+    perf_period_ns: AtomicU64,
     /// The mean CPU time between samples, in nanoseconds.
     interval_ns: AtomicU64,
     /// The POSIX timer that samples this thread (-1: none yet, or a perf
@@ -180,9 +186,7 @@ pub struct ThreadSlot {
 struct Walking {
     cache: WalkCache,
     frames: [u64; MAX_FRAMES],
-    /// The period the perf event is running now (the weight of its next
-    /// sample), and the state of the generator that dithers it.
-    period_ns: u64,
+    /// The state of the generator that dithers the sampling periods.
     rng: u64,
     samples: u64,
 }
@@ -214,7 +218,7 @@ unsafe impl Send for ThreadSlot {}
 impl Drop for ThreadSlot {
     fn drop(&mut self) {
         // Freed only when no handler can touch the slot any more.
-        unmap_perf_ring(self.perf_page);
+        unmap_perf_ring(*self.perf_page.get_mut());
     }
 }
 
@@ -383,8 +387,8 @@ pub fn rewalk(
             }
             self.copy.words.get((offset / 8) as usize).copied()
         }
-        fn code_bytes(&self, range: std::ops::Range<u64>) -> Option<&[u8]> {
-            self.live.code_bytes(range)
+        fn code_bytes(&self, region: &ManagedCode, range: std::ops::Range<u64>) -> Option<&[u8]> {
+            self.live.code_bytes(region, range)
         }
     }
     use corsnap_unwind::flags;
@@ -467,9 +471,17 @@ impl Memory for LiveMemory<'_> {
         Some(unsafe { (addr as *const u64).read_unaligned() })
     }
 
-    fn code_bytes(&self, range: std::ops::Range<u64>) -> Option<&[u8]> {
-        let region = self.map.managed_at(range.start)?;
-        if range.end > region.code.end || range.start > range.end {
+    fn code_bytes(&self, region: &ManagedCode, range: std::ops::Range<u64>) -> Option<&[u8]> {
+        // The frame's own region when the range is in it, checked in
+        // constant time: one of this map's regions (its address inside the
+        // map's list), the range inside its code. Else (unwind records the
+        // runtime keeps elsewhere) a search of the map's regions: two
+        // binary searches a frame, cold in the caches at 100 Hz, were a
+        // good part of a walk.
+        let own = self.map.managed().as_ptr_range().contains(&(region as *const ManagedCode))
+            && region.code.start <= range.start;
+        let region = if own && range.end <= region.code.end { region } else { self.map.managed_at(range.start)? };
+        if range.start < region.code.start || range.end > region.code.end || range.start > range.end {
             return None;
         }
         // SAFETY: the agent lists a managed region only while its code is
@@ -625,11 +637,16 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
         0
     } else if code != SI_TIMER {
         // A perf event's overflow (only those and timers get this far).
-        if slot.clock.load(Ordering::Acquire) != CLOCK_PERF {
+        // Loaded once: the agent may replace them (never while a handler
+        // that loaded them runs: it waits for none to be in flight).
+        let fd = slot.perf_fd.load(Ordering::Acquire);
+        let page = slot.perf_page.load(Ordering::Acquire);
+        if slot.clock.load(Ordering::Acquire) != CLOCK_PERF || fd < 0 {
             // Raised just before the thread moved to a timer, which weighs
-            // the CPU time from then on. Marked read, so that the event's
-            // buffer is empty when it runs again.
-            consume_perf_records(slot.perf_page);
+            // the CPU time from then on (or by an event just started, before
+            // it became the clock). Marked read, so that the event's buffer
+            // never fills.
+            consume_perf_records(page);
             NOT_READY.fetch_add(1, Ordering::Relaxed);
             return;
         }
@@ -639,13 +656,14 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
         // seen at the same point of it; a new period costs an ioctl of
         // ~10 µs on some kernels, so it changes every PERIOD_CHANGE_EVERY
         // samples. The overflow records are marked read with one store.
-        let elapsed = walking.period_ns;
+        let elapsed = slot.perf_period_ns.load(Ordering::Relaxed);
         walking.samples += 1;
         if walking.samples % PERIOD_CHANGE_EVERY == 0 {
-            walking.period_ns = dithered_period(&mut walking.rng, slot.interval_ns.load(Ordering::Relaxed));
-            set_perf_period(slot.perf_fd, walking.period_ns);
+            let period = dithered_period(&mut walking.rng, slot.interval_ns.load(Ordering::Relaxed));
+            slot.perf_period_ns.store(period, Ordering::Relaxed);
+            set_perf_period(fd, period);
         }
-        consume_perf_records(slot.perf_page);
+        consume_perf_records(page);
         elapsed
     } else {
         // A CPU timer is checked only at the scheduler tick, so the sample
@@ -963,6 +981,9 @@ pub struct SignalSampler {
     retired: Vec<*mut CodeMap>,
     timers: Vec<(usize, i32)>,
     perf_fds: Vec<(usize, i32)>,
+    /// Perf events replaced by timers (fd, ring page), closed once no
+    /// handler runs ([`Sampler::reclaim`]).
+    closing_perf: Vec<(i32, usize)>,
     perf_usable: bool,
     perf_refusal: Option<String>,
     free_slots: Vec<usize>,
@@ -1034,6 +1055,7 @@ impl SignalSampler {
             retired: Vec::new(),
             timers: Vec::new(),
             perf_fds: Vec::new(),
+            closing_perf: Vec::new(),
             perf_usable,
             perf_refusal: (!perf_usable).then(|| "POSIX timers were asked for".to_string()),
             free_slots: Vec::new(),
@@ -1104,8 +1126,17 @@ impl SignalSampler {
     /// Frees replaced maps if no handler is running now: a handler that read
     /// the old pointer counted itself in before reading it.
     pub fn reclaim(&mut self) {
-        if self.retired.is_empty() || self.trampoline.in_flight().load(Ordering::SeqCst) != 0 {
+        if (self.retired.is_empty() && self.closing_perf.is_empty())
+            || self.trampoline.in_flight().load(Ordering::SeqCst) != 0
+        {
             return;
+        }
+        for (fd, page) in self.closing_perf.drain(..) {
+            // SAFETY: our own descriptor and mapping, which no slot refers to
+            // any more and no handler holds (count observed at zero after
+            // they were taken out of the slot).
+            unsafe { libc::close(fd) };
+            unmap_perf_ring(page);
         }
         for p in self.retired.drain(..) {
             // SAFETY: made by Arc::into_raw in `publish`, no longer in MAP,
@@ -1160,8 +1191,9 @@ impl SignalSampler {
         let seed = (u64::from(tid) << 32 | index as u64) ^ 0x9e37_79b9_7f4a_7c15;
         let slot = Box::new(ThreadSlot {
             tid,
-            perf_fd,
-            perf_page,
+            perf_fd: AtomicI32::new(perf_fd),
+            perf_page: AtomicUsize::new(perf_page),
+            perf_period_ns: AtomicU64::new(0),
             interval_ns: AtomicU64::new(interval_ns),
             timer_id: std::sync::atomic::AtomicI32::new(-1),
             clock: AtomicU8::new(if perf_fd >= 0 { CLOCK_PERF } else { CLOCK_TIMER }),
@@ -1169,7 +1201,6 @@ impl SignalSampler {
             walking: UnsafeCell::new(Walking {
                 cache: WalkCache::new(),
                 frames: [0; MAX_FRAMES],
-                period_ns: 0,
                 rng: seed | 1,
                 samples: 0,
             }),
@@ -1186,8 +1217,9 @@ impl SignalSampler {
         // SAFETY: the slot is ours alone until it is published below.
         let first_period = unsafe {
             let walking = &mut *(*slot).walking.get();
-            walking.period_ns = dithered_period(&mut walking.rng, interval_ns);
-            walking.period_ns
+            let period = dithered_period(&mut walking.rng, interval_ns);
+            (*slot).perf_period_ns.store(period, Ordering::Relaxed);
+            period
         };
         SLOTS[index].store(slot, Ordering::Release);
         if perf_fd >= 0 {
@@ -1321,19 +1353,20 @@ impl SignalSampler {
 
     /// Moves thread `id` from its perf event to a POSIX CPU timer
     /// (`timer`) or back. A perf event costs at every context switch (the
-    /// kernel schedules it out and in and reprograms its timer), a timer
-    /// nothing until it fires; so a thread that switches often is cheaper
-    /// on a timer, and a thread that runs long stretches keeps the exact
-    /// clock. The event stays open (disabled) while the timer runs, so the
-    /// handler never meets a closed descriptor. `Ok(false)` if nothing
-    /// changed (already on that clock, or the thread has no perf event).
+    /// kernel schedules it out and in and reprograms its timer), even
+    /// disabled, a timer nothing until it fires; so a thread that switches
+    /// often is cheaper on a timer, and a thread that runs long stretches
+    /// keeps the exact clock. A replaced event is closed once no handler
+    /// can be using it, and a new one opened on the way back. `Ok(false)`
+    /// if nothing changed (already on that clock, or perf events are not
+    /// allowed here).
     pub fn set_thread_clock(&mut self, id: SlotId, timer: bool) -> std::io::Result<bool> {
         // SAFETY: slots are freed only with `&mut self`.
         let Some(slot) = (unsafe { SLOTS.get(id.0).and_then(|s| s.load(Ordering::Acquire).as_ref()) }) else {
             return Ok(false);
         };
         let wanted = if timer { CLOCK_TIMER } else { CLOCK_PERF };
-        if slot.perf_fd < 0 || slot.clock.load(Ordering::Acquire) == wanted {
+        if !self.perf_usable || slot.clock.load(Ordering::Acquire) == wanted {
             return Ok(false);
         }
         let enabled = ENABLED.load(Ordering::Acquire);
@@ -1346,21 +1379,69 @@ impl SignalSampler {
             }
             // The perf event's last period is weighed by its last sample;
             // the timer's first weighs the CPU time from here.
-            enable_perf_event(slot.perf_fd, false);
             slot.timer_base_ns.store(crate::thread_cpu_time_ns(slot.tid).unwrap_or(0), Ordering::Relaxed);
-            slot.clock.store(CLOCK_TIMER, Ordering::Release);
+            slot.clock.store(CLOCK_TIMER, Ordering::SeqCst);
             if enabled {
                 arm_timer_once(id_of_timer, slot.interval_ns.load(Ordering::Relaxed))?;
             }
+            // The event leaves the slot first (a handler then neither
+            // signals through it nor finds it), and is closed later.
+            let fd = slot.perf_fd.swap(-1, Ordering::SeqCst);
+            let page = slot.perf_page.swap(0, Ordering::SeqCst);
+            if fd >= 0 {
+                self.perf_fds.retain(|&(i, f)| !(i == id.0 && f == fd));
+                PERF_FDS[fd as usize].store(0, Ordering::SeqCst);
+                // SAFETY: ioctl and fcntl on our own fd: stopped, and no
+                // more signals from it.
+                unsafe {
+                    libc::ioctl(fd, PERF_EVENT_IOC_DISABLE, 0);
+                    libc::fcntl(fd, libc::F_SETFL, 0);
+                }
+                self.closing_perf.push((fd, page));
+                self.reclaim();
+            }
         } else {
-            slot.clock.store(CLOCK_PERF, Ordering::Release);
+            let fd = open_perf_event(slot.tid)?;
+            if fd as usize >= MAX_PERF_FD {
+                // SAFETY: our own fd.
+                unsafe { libc::close(fd) };
+                return Err(std::io::Error::other("no room for another perf event"));
+            }
+            let page = match map_perf_ring(fd) {
+                Ok(page) => page,
+                Err(e) => {
+                    // SAFETY: our own fd.
+                    unsafe { libc::close(fd) };
+                    return Err(e);
+                }
+            };
+            PERF_FDS[fd as usize].store(id.0 as u32 + 1, Ordering::SeqCst);
+            slot.perf_page.store(page, Ordering::SeqCst);
+            slot.perf_fd.store(fd, Ordering::SeqCst);
+            // Started before it is the clock: a signal it raises meanwhile
+            // is marked read and dropped by the handler.
+            if let Err(e) = start_perf_event(fd, slot.tid, slot.perf_period_ns.load(Ordering::Relaxed)) {
+                slot.perf_fd.store(-1, Ordering::SeqCst);
+                slot.perf_page.store(0, Ordering::SeqCst);
+                PERF_FDS[fd as usize].store(0, Ordering::SeqCst);
+                // SAFETY: ioctl and fcntl on our own fd.
+                unsafe {
+                    libc::ioctl(fd, PERF_EVENT_IOC_DISABLE, 0);
+                    libc::fcntl(fd, libc::F_SETFL, 0);
+                }
+                self.closing_perf.push((fd, page));
+                self.reclaim();
+                return Err(e);
+            }
+            if !enabled {
+                enable_perf_event(fd, false);
+            }
+            self.perf_fds.push((id.0, fd));
+            slot.clock.store(CLOCK_PERF, Ordering::SeqCst);
             // Disarmed (a zero delay): a handler that read the old clock
             // just before may arm it once more; its signal then finds the
             // clock changed and is dropped, and re-arms nothing.
             let _ = arm_timer_once(slot.timer_id.load(Ordering::Acquire), 0);
-            if enabled {
-                enable_perf_event(slot.perf_fd, true);
-            }
         }
         Ok(true)
     }
@@ -1441,6 +1522,7 @@ impl SignalSampler {
             self.retired.push(map);
         }
         self.reclaim();
+        debug_assert!(self.closing_perf.is_empty());
         for slot in SLOTS.iter().take(self.next_slot) {
             let p = slot.swap(null_mut(), Ordering::SeqCst);
             if !p.is_null() {

@@ -74,6 +74,9 @@ const LEARNING_AT_START: Duration = Duration::from_secs(1);
 const THREAD_SCAN_EVERY: Duration = Duration::from_millis(100);
 /// How often `--cpu-clock auto` looks at each thread's context switches.
 const CLOCK_CHECK_EVERY: Duration = Duration::from_secs(1);
+/// How soon it first chooses a new thread's clock (an attach to a busy
+/// server pays for perf events on every thread until then).
+const CLOCK_FIRST_CHOICE_AFTER: Duration = Duration::from_millis(200);
 /// A thread that switches this often a second moves to a timer: its perf
 /// event would cost it 0.2% of a core in switches alone (at ~2 µs each),
 /// more than its samples at 100 Hz. A thread preempted only at the end of
@@ -135,8 +138,9 @@ struct Sampled {
     /// The runtime's object for this thread, as its handler was last told.
     runtime_thread: u64,
     /// Its context switches when last looked at, and when (`--cpu-clock
-    /// auto`).
+    /// auto`); whether its clock has been chosen once.
     switches: Option<(u64, Instant)>,
+    clock_chosen: bool,
 }
 
 pub struct SignalEngine {
@@ -261,9 +265,7 @@ impl SignalEngine {
             own_tids: HashSet::new(),
             next_scan: Instant::now(),
             clock_per_thread,
-            // Sooner the first time: an attach to a busy server pays for
-            // its perf events until then.
-            next_clock_check: Instant::now() + CLOCK_CHECK_EVERY / 2,
+            next_clock_check: Instant::now() + CLOCK_FIRST_CHOICE_AFTER,
             clock_switches: 0,
             loader_counters: (u64::MAX, u64::MAX),
             natives: Vec::new(),
@@ -1036,7 +1038,7 @@ impl SignalEngine {
                     // clock can be chosen at the next check.
                     let switches =
                         if self.clock_per_thread { context_switches(tid).map(|c| (c, Instant::now())) } else { None };
-                    self.threads.insert(tid, Sampled { slot, runtime_thread: 0, switches });
+                    self.threads.insert(tid, Sampled { slot, runtime_thread: 0, switches, clock_chosen: false });
                 }
                 Err(_) => {
                     self.refused.insert(tid);
@@ -1059,15 +1061,20 @@ impl SignalEngine {
     /// flapping.
     fn choose_clocks(&mut self) {
         let now = Instant::now();
-        self.next_clock_check = now + CLOCK_CHECK_EVERY;
+        self.next_clock_check = now + CLOCK_FIRST_CHOICE_AFTER;
         let Some(sampler) = self.sampler.as_mut() else { return };
         for (&tid, sampled) in self.threads.iter_mut() {
-            let Some(count) = context_switches(tid) else { continue };
-            let Some((before, at)) = sampled.switches.replace((count, now)) else { continue };
-            let secs = now.duration_since(at).as_secs_f64();
-            if secs < 0.1 {
+            // A new thread's clock is chosen soon (until then it may pay for
+            // a perf event at every switch), then looked at again each
+            // CLOCK_CHECK_EVERY.
+            let wait = if sampled.clock_chosen { CLOCK_CHECK_EVERY } else { CLOCK_FIRST_CHOICE_AFTER };
+            if sampled.switches.is_some_and(|(_, at)| now.duration_since(at) < wait) {
                 continue;
             }
+            let Some(count) = context_switches(tid) else { continue };
+            let Some((before, at)) = sampled.switches.replace((count, now)) else { continue };
+            sampled.clock_chosen = true;
+            let secs = now.duration_since(at).as_secs_f64();
             let per_second = count.saturating_sub(before) as f64 / secs;
             let timer = if per_second >= TIMER_ABOVE_SWITCHES_PER_S {
                 true

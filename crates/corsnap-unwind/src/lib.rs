@@ -105,8 +105,11 @@ pub trait Memory {
     /// walked.
     fn stack_word(&self, addr: u64) -> Option<u64>;
     /// The bytes of `range`, which the walker guarantees lies inside the
-    /// `code` range of a [`ManagedCode`] of the map being walked.
-    fn code_bytes(&self, range: Range<u64>) -> Option<&[u8]>;
+    /// `code` range of a [`ManagedCode`] of the map being walked: most
+    /// often that of `region`, the one the frame is in (one of the map's
+    /// own), which an implementation may check first, in constant time,
+    /// before searching the map's regions.
+    fn code_bytes(&self, region: &ManagedCode, range: Range<u64>) -> Option<&[u8]>;
     /// A managed frame returns to `found`, read from the stack word at
     /// `slot`, and `found` is not managed code: if the runtime hijacked that
     /// return address (it overwrites it with a trampoline of its own to stop
@@ -704,7 +707,7 @@ fn managed_step<M: Memory>(
     let memory_at_rva = |r: u32| -> Option<&[u8]> {
         if r == rva {
             let start = region.base + u64::from(r);
-            let code = mem.code_bytes(start..function_end.max(start))?;
+            let code = mem.code_bytes(region, start..function_end.max(start))?;
             // pe-unwind-info takes any `jmp rel` at the address for the end
             // of an epilogue, so a frame whose return address is a jump back
             // into its own loop (`call; jmp loop`, common in JIT code) would
@@ -724,16 +727,16 @@ fn managed_step<M: Memory>(
             }
             UnwindBytes::InCode => {
                 let start = region.base.checked_add(u64::from(r))?;
-                let header = mem.code_bytes(start..start.checked_add(4)?)?;
+                let header = mem.code_bytes(region, start..start.checked_add(4)?)?;
                 let len = unwind_info_len([header[0], header[1], header[2], header[3]]);
-                mem.code_bytes(start..start + len as u64)
+                mem.code_bytes(region, start..start + len as u64)
             }
         }
     };
     if let Some(info) = memory_at_rva(function.unwind_info_address.get()) {
         if large_frame::uses_large_frame(info) {
             let at = region.base + u64::from(rva);
-            let code = mem.code_bytes(at..function_end.max(at)).unwrap_or(&[]);
+            let code = mem.code_bytes(region, at..function_end.max(at)).unwrap_or(&[]);
             let offset = u64::from(rva - function.begin_address.get());
             return Some(large_frame::step(info, mem, regs, offset, code));
         }

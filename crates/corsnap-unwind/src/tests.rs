@@ -23,7 +23,7 @@ impl Memory for Recorded {
         Some(self.stack.get(&addr).copied().unwrap_or(0xdead_beef))
     }
 
-    fn code_bytes(&self, range: Range<u64>) -> Option<&[u8]> {
+    fn code_bytes(&self, _region: &ManagedCode, range: Range<u64>) -> Option<&[u8]> {
         let (start, bytes) = self.code.iter().find(|(s, b)| *s <= range.start && range.end <= s + b.len() as u64)?;
         bytes.get((range.start - start) as usize..(range.end - start) as usize)
     }
