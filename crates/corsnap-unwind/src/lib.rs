@@ -28,6 +28,7 @@
 
 #![forbid(unsafe_code)]
 
+mod frame_rule;
 mod hijack;
 pub mod process;
 
@@ -37,6 +38,8 @@ use std::sync::Arc;
 use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64};
 use framehop::{ExplicitModuleSectionInfo, FrameAddress, Module, MustNotAllocateDuringUnwind, Unwinder};
 use pe_unwind_info::x86_64::{FunctionTableEntries, Register, UnwindState, XmmRegister};
+
+use frame_rule::FrameRule;
 
 pub use hijack::{parse_hijack_stub, HijackStub, HIJACK_STUB_START};
 
@@ -145,6 +148,9 @@ struct ManagedHit {
     region: u32,
     /// Byte offset of the `RUNTIME_FUNCTION` in the region's table.
     entry: u32,
+    /// How to unwind the frame from this return address without its
+    /// record (see [`frame_rule`]).
+    rule: FrameRule,
 }
 
 const MANAGED_HITS: usize = 509;
@@ -524,36 +530,36 @@ pub fn walk_until<M: Memory>(
         let lookup = if exact { regs.ip } else { regs.ip - 1 };
         let mut unknown = false;
         let hit = cache.managed_hit(map.generation, lookup);
+        // A return address met before in a managed frame: its rule reads the
+        // caller from the stack, with no region, table or record touched.
+        let by_rule = match hit {
+            Some(h) if !exact && h.region != NATIVE_REGION => h.rule.apply(mem, regs),
+            _ => None,
+        };
         let native_hit = hit.is_some_and(|h| h.region == NATIVE_REGION);
         let region_index = match hit {
+            _ if by_rule.is_some() => None,
             Some(h) if !native_hit => Some(h.region as usize),
             Some(_) => None,
             None => map.managed_index_at(lookup),
         };
         let region = region_index.and_then(|i| map.managed.get(i));
-        let step = if let Some(region) = region.filter(|r| r.frameless) {
+        let step = if let Some(next) = by_rule {
+            managed_caller(map, mem, cache, regs, next, &mut flags, &mut undone_hijack)
+        } else if let Some(region) = region.filter(|r| r.frameless) {
             stub_step(map, mem, regs, exact, region)
         } else if let Some(region) = region {
             let mut entry = hit.map(|h| h.entry);
-            let step = managed_step(region, mem, regs, exact, &mut entry);
-            if let (None, Some(entry), Some(i)) = (hit, entry, region_index) {
-                let hit = ManagedHit { generation: map.generation, address: lookup, region: i as u32, entry };
-                cache.remember_managed(hit);
+            let mut rule = hit.map_or(FrameRule::default(), |h| h.rule);
+            let step = managed_step(region, mem, regs, exact, &mut entry, &mut rule);
+            if let (Some(entry), Some(i)) = (entry, region_index) {
+                if hit.is_none_or(|h| h.rule != rule) {
+                    let hit = ManagedHit { generation: map.generation, address: lookup, region: i as u32, entry, rule };
+                    cache.remember_managed(hit);
+                }
             }
             match step {
-                Some(Step::Next(mut next)) => {
-                    // Managed code returns into native code only at a few
-                    // transitions (the thread's entry, callbacks from native
-                    // code); a hijacked return is one of them to the eye.
-                    if next.sp > regs.sp && map.managed_at(next.ip.wrapping_sub(1)).is_none() {
-                        if let Some(real) = mem.hijacked_return(next.sp - 8, next.ip) {
-                            flags |= flags::HIJACKED;
-                            undone_hijack = Some((next.sp - 8, real));
-                            next.ip = real;
-                        }
-                    }
-                    Step::Next(next)
-                }
+                Some(Step::Next(next)) => managed_caller(map, mem, cache, regs, next, &mut flags, &mut undone_hijack),
                 Some(step) => step,
                 None => {
                     unknown = true;
@@ -565,7 +571,13 @@ pub fn walk_until<M: Memory>(
         } else if let Some(stub) = map.hijack_stub.as_ref().filter(|s| s.range.contains(&lookup)) {
             hijack_stub_step(map, mem, regs, exact, stub)
         } else if map.native_at(lookup).is_some() {
-            let hit = ManagedHit { generation: map.generation, address: lookup, region: NATIVE_REGION, entry: 0 };
+            let hit = ManagedHit {
+                generation: map.generation,
+                address: lookup,
+                region: NATIVE_REGION,
+                entry: 0,
+                rule: FrameRule::UNSUITABLE,
+            };
             cache.remember_managed(hit);
             native_step(map, mem, regs, exact, cache)
         } else {
@@ -597,6 +609,32 @@ pub fn walk_until<M: Memory>(
     }
     let splice = splice.filter(|&(i, _)| i < len);
     Walk { len, flags, sp: regs.sp, undone_hijack, known_frames: known_frames.min(len), splice }
+}
+
+/// The step out of a managed frame to `next`, its caller. Managed code
+/// returns into native code only at a few transitions (the thread's entry,
+/// callbacks from native code); a hijacked return is one of them to the eye,
+/// and is undone. A caller met before as managed code (in the walk cache)
+/// is not searched for again.
+fn managed_caller<M: Memory>(
+    map: &CodeMap,
+    mem: &M,
+    cache: &WalkCache,
+    regs: Regs,
+    mut next: Regs,
+    flags: &mut u32,
+    undone_hijack: &mut Option<(u64, u64)>,
+) -> Step {
+    let caller = next.ip.wrapping_sub(1);
+    let known_managed = cache.managed_hit(map.generation, caller).is_some_and(|h| h.region != NATIVE_REGION);
+    if next.sp > regs.sp && !known_managed && map.managed_at(caller).is_none() {
+        if let Some(real) = mem.hijacked_return(next.sp - 8, next.ip) {
+            *flags |= flags::HIJACKED;
+            *undone_hijack = Some((next.sp - 8, real));
+            next.ip = real;
+        }
+    }
+    Step::Next(next)
 }
 
 fn signal_context<M: Memory>(mem: &M, uc: u64) -> Option<Regs> {
@@ -674,13 +712,16 @@ fn jumps_within(code: &[u8], at: u64, begin: u64, end: u64) -> bool {
 }
 
 /// `entry`: the byte offset of the frame's `RUNTIME_FUNCTION` in the
-/// region's table, if known (a [`WalkCache`] hit); set when found.
+/// region's table, if known (a [`WalkCache`] hit); set when found. `rule`:
+/// for a return address whose rule was not tried yet, derived from the
+/// record and kept if it gives the caller this full unwind gives.
 fn managed_step<M: Memory>(
     region: &ManagedCode,
     mem: &M,
     regs: Regs,
     exact: bool,
     entry: &mut Option<u32>,
+    rule: &mut FrameRule,
 ) -> Option<Step> {
     let lookup = if exact { regs.ip } else { regs.ip - 1 };
     let lookup_rva = u32::try_from(lookup.checked_sub(region.base)?).ok()?;
@@ -742,10 +783,19 @@ fn managed_step<M: Memory>(
         }
     }
     let mut state = PeState { sp: regs.sp, bp: regs.bp, mem };
-    Some(match entries.unwind_frame(&mut state, memory_at_rva, rva) {
+    let step = match entries.unwind_frame(&mut state, memory_at_rva, rva) {
         Some(ra) => Step::Next(Regs { ip: ra, sp: state.sp, bp: state.bp }),
         None => Step::Lost,
-    })
+    };
+    if !exact && rule.is_untried() {
+        let derived = memory_at_rva(function.unwind_info_address.get())
+            .and_then(|info| FrameRule::derive(info, rva.checked_sub(function.begin_address.get())?));
+        *rule = match (derived, &step) {
+            (Some(derived), Step::Next(next)) if derived.apply(mem, regs) == Some(*next) => derived,
+            _ => FrameRule::UNSUITABLE,
+        };
+    }
+    Some(step)
 }
 
 /// The byte offset of the 12-byte `RUNTIME_FUNCTION` (begin, end,
