@@ -1390,15 +1390,7 @@ impl SignalSampler {
             let page = slot.perf_page.swap(0, Ordering::SeqCst);
             if fd >= 0 {
                 self.perf_fds.retain(|&(i, f)| !(i == id.0 && f == fd));
-                PERF_FDS[fd as usize].store(0, Ordering::SeqCst);
-                // SAFETY: ioctl and fcntl on our own fd: stopped, and no
-                // more signals from it.
-                unsafe {
-                    libc::ioctl(fd, PERF_EVENT_IOC_DISABLE, 0);
-                    libc::fcntl(fd, libc::F_SETFL, 0);
-                }
-                self.closing_perf.push((fd, page));
-                self.reclaim();
+                self.retire_perf_event(fd, page);
             }
         } else {
             let fd = open_perf_event(slot.tid)?;
@@ -1423,14 +1415,7 @@ impl SignalSampler {
             if let Err(e) = start_perf_event(fd, slot.tid, slot.perf_period_ns.load(Ordering::Relaxed)) {
                 slot.perf_fd.store(-1, Ordering::SeqCst);
                 slot.perf_page.store(0, Ordering::SeqCst);
-                PERF_FDS[fd as usize].store(0, Ordering::SeqCst);
-                // SAFETY: ioctl and fcntl on our own fd.
-                unsafe {
-                    libc::ioctl(fd, PERF_EVENT_IOC_DISABLE, 0);
-                    libc::fcntl(fd, libc::F_SETFL, 0);
-                }
-                self.closing_perf.push((fd, page));
-                self.reclaim();
+                self.retire_perf_event(fd, page);
                 return Err(e);
             }
             if !enabled {
@@ -1444,6 +1429,21 @@ impl SignalSampler {
             let _ = arm_timer_once(slot.timer_id.load(Ordering::Acquire), 0);
         }
         Ok(true)
+    }
+
+    /// Stops a perf event taken out of its slot (no handler finds it any
+    /// more): silenced now, closed with its ring once no handler that might
+    /// have loaded it is in flight ([`Self::reclaim`]).
+    fn retire_perf_event(&mut self, fd: i32, page: usize) {
+        PERF_FDS[fd as usize].store(0, Ordering::SeqCst);
+        // SAFETY: ioctl and fcntl on our own fd: stopped, and no more
+        // signals from it.
+        unsafe {
+            libc::ioctl(fd, PERF_EVENT_IOC_DISABLE, 0);
+            libc::fcntl(fd, libc::F_SETFL, 0);
+        }
+        self.closing_perf.push((fd, page));
+        self.reclaim();
     }
 
     /// How many threads each clock samples now: (perf events, timers).

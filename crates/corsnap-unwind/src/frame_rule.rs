@@ -18,18 +18,11 @@
 //! chained record, only pushes, allocations, saves and the frame register);
 //! the rest are unwound in full each time, as before.
 
+use crate::large_frame::{
+    RBP, UNW_FLAG_CHAININFO, UWOP_ALLOC_LARGE, UWOP_ALLOC_SMALL, UWOP_PUSH_NONVOL, UWOP_SAVE_NONVOL,
+    UWOP_SAVE_NONVOL_FAR, UWOP_SAVE_XMM128, UWOP_SAVE_XMM128_FAR, UWOP_SET_FPREG,
+};
 use crate::{Memory, Regs};
-
-const UWOP_PUSH_NONVOL: u8 = 0;
-const UWOP_ALLOC_LARGE: u8 = 1;
-const UWOP_ALLOC_SMALL: u8 = 2;
-const UWOP_SET_FPREG: u8 = 3;
-const UWOP_SAVE_NONVOL: u8 = 4;
-const UWOP_SAVE_NONVOL_FAR: u8 = 5;
-const UWOP_SAVE_XMM128: u8 = 8;
-const UWOP_SAVE_XMM128_FAR: u8 = 9;
-const UNW_FLAG_CHAININFO: u8 = 4;
-const RBP: u8 = 5;
 
 /// How to unwind a managed frame from one return address (see the module
 /// documentation); or that no rule is known yet, or that none applies.

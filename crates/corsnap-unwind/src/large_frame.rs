@@ -18,19 +18,21 @@
 
 use crate::{Memory, Regs, Step};
 
-const UWOP_PUSH_NONVOL: u8 = 0;
-const UWOP_ALLOC_LARGE: u8 = 1;
-const UWOP_ALLOC_SMALL: u8 = 2;
-const UWOP_SET_FPREG: u8 = 3;
-const UWOP_SAVE_NONVOL: u8 = 4;
-const UWOP_SAVE_NONVOL_FAR: u8 = 5;
+// x64 unwind codes (Windows' `UNWIND_CODE`, and CoreCLR's 11), shared
+// with `frame_rule.rs`.
+pub(crate) const UWOP_PUSH_NONVOL: u8 = 0;
+pub(crate) const UWOP_ALLOC_LARGE: u8 = 1;
+pub(crate) const UWOP_ALLOC_SMALL: u8 = 2;
+pub(crate) const UWOP_SET_FPREG: u8 = 3;
+pub(crate) const UWOP_SAVE_NONVOL: u8 = 4;
+pub(crate) const UWOP_SAVE_NONVOL_FAR: u8 = 5;
 const UWOP_EPILOG: u8 = 6;
-const UWOP_SAVE_XMM128: u8 = 8;
-const UWOP_SAVE_XMM128_FAR: u8 = 9;
+pub(crate) const UWOP_SAVE_XMM128: u8 = 8;
+pub(crate) const UWOP_SAVE_XMM128_FAR: u8 = 9;
 const UWOP_PUSH_MACHFRAME: u8 = 10;
 const UWOP_SET_FPREG_LARGE: u8 = 11;
-const UNW_FLAG_CHAININFO: u8 = 4;
-const RBP: u8 = 5;
+pub(crate) const UNW_FLAG_CHAININFO: u8 = 4;
+pub(crate) const RBP: u8 = 5;
 
 /// The slots (2 bytes each) an unwind code takes, `None` for an unknown one.
 fn slots(op: u8, info: u8) -> Option<usize> {
