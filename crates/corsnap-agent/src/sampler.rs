@@ -673,7 +673,9 @@ impl SamplerLoop {
         // DoStackSnapshot sees; one whose handler has not run yet (a loaded
         // machine may not schedule it within the wait) would walk the
         // thread after it moved on, and is left out of the comparison.
+        let asked = verify.pending.len();
         verify.pending.retain(|&(t, b)| engine.requested_samples_stored(t) > b);
+        verify.late += (asked - verify.pending.len()) as u64;
         self.walk_all_suspended(true);
         self.shared.gate.end_walk();
         let resumed = info.resume_runtime();
@@ -703,9 +705,6 @@ impl SamplerLoop {
         for record in &stacks {
             let in_time = self.verify.as_ref().is_some_and(|v| v.pending.iter().any(|&(t, _)| t == record.os_tid));
             if !in_time {
-                if let Some(verify) = self.verify.as_mut() {
-                    verify.late += 1;
-                }
                 continue;
             }
             let Some(ours) = ours.get(&record.os_tid) else { continue };
