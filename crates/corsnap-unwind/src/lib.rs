@@ -31,6 +31,7 @@
 mod frame_rule;
 mod hijack;
 pub mod process;
+mod thread_start;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -40,6 +41,7 @@ use framehop::{ExplicitModuleSectionInfo, FrameAddress, Module, MustNotAllocateD
 use pe_unwind_info::x86_64::{FunctionTableEntries, Register, UnwindState, XmmRegister};
 
 use frame_rule::FrameRule;
+use thread_start::{StartTracker, ThreadStart};
 
 pub use hijack::{parse_hijack_stub, HijackStub, HIJACK_STUB_START};
 
@@ -123,6 +125,11 @@ pub trait Memory {
         let _ = (slot, found);
         None
     }
+    /// A hint that the memory at `addr` (any address, mapped or not) will
+    /// be read soon.
+    fn prefetch(&self, addr: u64) {
+        let _ = addr;
+    }
 }
 
 /// Scratch space for unwinding: framehop's rule cache and gimli's
@@ -137,6 +144,9 @@ pub struct WalkCache {
     /// again skips the search of the managed regions and of the modules
     /// before framehop's own ([`NATIVE_REGION`]).
     managed: Box<[ManagedHit; MANAGED_HITS]>,
+    /// The native frames that started the thread, from its last complete
+    /// walk (see [`thread_start`]).
+    start: ThreadStart,
 }
 
 /// A managed frame's lookup address in one map, and where its region and
@@ -160,12 +170,21 @@ const NATIVE_REGION: u32 = u32::MAX;
 
 impl WalkCache {
     pub fn new() -> Self {
-        WalkCache { rules: CacheX86_64::new_in(), managed: Box::new([ManagedHit::default(); MANAGED_HITS]) }
+        WalkCache {
+            rules: CacheX86_64::new_in(),
+            managed: Box::new([ManagedHit::default(); MANAGED_HITS]),
+            start: ThreadStart::new(),
+        }
     }
 
     fn managed_hit(&self, generation: u64, address: u64) -> Option<ManagedHit> {
         let hit = self.managed[(address % MANAGED_HITS as u64) as usize];
         (generation != 0 && hit.generation == generation && hit.address == address).then_some(hit)
+    }
+
+    /// Where the entry for `address` would be, for a prefetch.
+    fn entry_address(&self, address: u64) -> u64 {
+        &self.managed[(address % MANAGED_HITS as u64) as usize] as *const ManagedHit as u64
     }
 
     fn remember_managed(&mut self, hit: ManagedHit) {
@@ -482,6 +501,7 @@ pub fn walk_until<M: Memory>(
     out: &mut [u64],
     stop: Option<(u64, u64)>,
 ) -> Walk {
+    prefetch_frame_chain(mem, cache, regs);
     let mut len = 0;
     let mut flags = 0;
     let mut regs = regs;
@@ -491,6 +511,8 @@ pub fn walk_until<M: Memory>(
     let mut undone_hijack = None;
     let mut known_frames = usize::MAX;
     let mut splice = None;
+    let mut start = StartTracker::new();
+    let mut remembered_start = false;
     loop {
         if regs.ip == 0 {
             flags |= flags::COMPLETE;
@@ -500,6 +522,21 @@ pub fn walk_until<M: Memory>(
             flags |= flags::REACHED;
             break;
         }
+        // The thread's start, as the last complete walk found it, when the
+        // stack still holds it (see [`thread_start`]). Not in a walk that is
+        // to stop at a given frame: that frame may lie inside it.
+        if stop.is_none() && !exact {
+            if let Some((start, root_sp)) = cache.start.frames_from(map.generation, regs, mem) {
+                if let Some(room) = out.get_mut(len..len + start.len()) {
+                    room.copy_from_slice(start);
+                    len += start.len();
+                    regs.sp = root_sp;
+                    flags |= flags::COMPLETE;
+                    remembered_start = true;
+                    break;
+                }
+            }
+        }
         let Some(slot) = out.get_mut(len) else {
             flags |= flags::TRUNCATED;
             break;
@@ -507,6 +544,7 @@ pub fn walk_until<M: Memory>(
         *slot = if exact { regs.ip | EXACT_IP } else { regs.ip };
         len += 1;
         if !map.roots.is_empty() && map.roots.iter().any(|r| r.contains(&regs.ip)) {
+            start.native(regs.sp);
             flags |= flags::COMPLETE;
             break;
         }
@@ -514,6 +552,7 @@ pub fn walk_until<M: Memory>(
             // The handler's frame returned into the kernel's signal
             // trampoline: the saved context (`ucontext_t`) starts right where
             // the return address was popped from.
+            start.not_native(len - 1);
             match signal_context(mem, regs.sp) {
                 Some(next) => {
                     flags |= flags::SIGNAL_FRAME;
@@ -529,6 +568,7 @@ pub fn walk_until<M: Memory>(
         }
         let lookup = if exact { regs.ip } else { regs.ip - 1 };
         let mut unknown = false;
+        let mut native_frame = false;
         let hit = cache.managed_hit(map.generation, lookup);
         // A return address met before in a managed frame: its rule reads the
         // caller from the stack, with no region, table or record touched.
@@ -567,6 +607,7 @@ pub fn walk_until<M: Memory>(
                 }
             }
         } else if native_hit {
+            native_frame = true;
             native_step(map, mem, regs, exact, cache)
         } else if let Some(stub) = map.hijack_stub.as_ref().filter(|s| s.range.contains(&lookup)) {
             hijack_stub_step(map, mem, regs, exact, stub)
@@ -579,6 +620,7 @@ pub fn walk_until<M: Memory>(
                 rule: FrameRule::UNSUITABLE,
             };
             cache.remember_managed(hit);
+            native_frame = true;
             native_step(map, mem, regs, exact, cache)
         } else {
             unknown = true;
@@ -587,6 +629,11 @@ pub fn walk_until<M: Memory>(
         if unknown {
             flags |= flags::UNKNOWN_CODE;
             known_frames = known_frames.min(len);
+        }
+        if native_frame {
+            start.native(regs.sp);
+        } else {
+            start.not_native(len - 1);
         }
         match step {
             // The stack grows down: every caller's frame is above its callee's.
@@ -607,8 +654,37 @@ pub fn walk_until<M: Memory>(
             }
         }
     }
+    if stop.is_none() && !remembered_start {
+        start.finish(&mut cache.start, map.generation, &out[..len], flags);
+    }
     let splice = splice.filter(|&(i, _)| i < len);
     Walk { len, flags, sp: regs.sp, undone_hijack, known_frames: known_frames.min(len), splice }
+}
+
+/// How many frames [`prefetch_frame_chain`] looks ahead.
+const PREFETCH_FRAMES: usize = 64;
+
+/// At 100 samples a second a walk finds the stack and the walk cache cold,
+/// and a frame's two misses come one after the other: its cache entry (by
+/// its return address), then the stack word the entry's rule points at. The
+/// frame-pointer chain (which the JIT's frames and many native ones keep)
+/// gives the return addresses ahead of the walk for one miss a frame, and
+/// their cache entries are prefetched on the way, all at once. Where the
+/// chain is not a chain (a frame pointer used as a plain register), it
+/// stops at the first link that is not inside the stack and above the last.
+/// Only hints: what the walk reads, it reads and checks itself.
+fn prefetch_frame_chain<M: Memory>(mem: &M, cache: &WalkCache, regs: Regs) {
+    mem.prefetch(cache.entry_address(regs.ip));
+    let (mut bp, mut below) = (regs.bp, regs.sp);
+    for _ in 0..PREFETCH_FRAMES {
+        if bp < below {
+            break;
+        }
+        let (Some(next), Some(ra)) = (mem.stack_word(bp), mem.stack_word(bp.wrapping_add(8))) else { break };
+        mem.prefetch(cache.entry_address(ra.wrapping_sub(1)));
+        below = bp.wrapping_add(16);
+        bp = next;
+    }
 }
 
 /// The step out of a managed frame to `next`, its caller. Managed code
