@@ -30,6 +30,7 @@
 
 mod frame_rule;
 mod hijack;
+mod leaf_functions;
 pub mod process;
 mod thread_start;
 
@@ -41,6 +42,7 @@ use framehop::{ExplicitModuleSectionInfo, FrameAddress, Module, MustNotAllocateD
 use pe_unwind_info::x86_64::{FunctionTableEntries, Register, UnwindState, XmmRegister};
 
 use frame_rule::FrameRule;
+use leaf_functions::LeafFunctions;
 use thread_start::{StartTracker, ThreadStart};
 
 pub use hijack::{parse_hijack_stub, HijackStub, HIJACK_STUB_START};
@@ -147,6 +149,8 @@ pub struct WalkCache {
     /// The native frames that started the thread, from its last complete
     /// walk (see [`thread_start`]).
     start: ThreadStart,
+    /// The managed functions met lately at the leaf (see [`leaf_functions`]).
+    leaves: LeafFunctions,
 }
 
 /// A managed frame's lookup address in one map, and where its region and
@@ -174,6 +178,7 @@ impl WalkCache {
             rules: CacheX86_64::new_in(),
             managed: Box::new([ManagedHit::default(); MANAGED_HITS]),
             start: ThreadStart::new(),
+            leaves: LeafFunctions::new(),
         }
     }
 
@@ -569,7 +574,10 @@ pub fn walk_until<M: Memory>(
         let lookup = if exact { regs.ip } else { regs.ip - 1 };
         let mut unknown = false;
         let mut native_frame = false;
-        let hit = cache.managed_hit(map.generation, lookup);
+        let hit = cache.managed_hit(map.generation, lookup).or_else(|| {
+            let (region, entry) = cache.leaves.find(map.generation, lookup).filter(|_| exact)?;
+            Some(ManagedHit { generation: map.generation, address: lookup, region, entry, rule: FrameRule::default() })
+        });
         // A return address met before in a managed frame: its rule reads the
         // caller from the stack, with no region, table or record touched.
         let by_rule = match hit {
@@ -593,7 +601,12 @@ pub fn walk_until<M: Memory>(
             let mut rule = hit.map_or(FrameRule::default(), |h| h.rule);
             let step = managed_step(region, mem, regs, exact, &mut entry, &mut rule);
             if let (Some(entry), Some(i)) = (entry, region_index) {
-                if hit.is_none_or(|h| h.rule != rule) {
+                if exact {
+                    // An exact address is seldom met again; its function is.
+                    if let (None, Some(function)) = (hit, function_range(region, entry)) {
+                        cache.leaves.remember(map.generation, function, i as u32, entry);
+                    }
+                } else if hit.is_none_or(|h| h.rule != rule) {
                     let hit = ManagedHit { generation: map.generation, address: lookup, region: i as u32, entry, rule };
                     cache.remember_managed(hit);
                 }
@@ -877,6 +890,16 @@ fn managed_step<M: Memory>(
 /// The byte offset of the 12-byte `RUNTIME_FUNCTION` (begin, end,
 /// unwind-info RVAs) of a table sorted by begin address whose range holds
 /// `rva`.
+/// The addresses of the function whose `RUNTIME_FUNCTION` is at byte `entry`
+/// of `region`'s table.
+fn function_range(region: &ManagedCode, entry: u32) -> Option<Range<u64>> {
+    let at = entry as usize;
+    let rva = |field: usize| -> Option<u64> {
+        Some(u64::from(u32::from_le_bytes(region.functions.get(at + field..at + field + 4)?.try_into().ok()?)))
+    };
+    Some(region.base + rva(0)?..region.base + rva(4)?)
+}
+
 fn function_entry(table: &[u8], rva: u32) -> Option<usize> {
     let rva_at = |i: usize, field: usize| -> Option<u32> {
         Some(u32::from_le_bytes(table.get(i * 12 + field..i * 12 + field + 4)?.try_into().ok()?))
