@@ -675,7 +675,7 @@ pub fn walk_until<M: Memory>(
 }
 
 /// How many frames [`prefetch_frame_chain`] looks ahead.
-const PREFETCH_FRAMES: usize = 64;
+const PREFETCH_FRAMES: usize = 32;
 
 /// At 100 samples a second a walk finds the stack and the walk cache cold,
 /// and a frame's two misses come one after the other: its cache entry (by
@@ -688,9 +688,13 @@ const PREFETCH_FRAMES: usize = 64;
 /// Only hints: what the walk reads, it reads and checks itself.
 fn prefetch_frame_chain<M: Memory>(mem: &M, cache: &WalkCache, regs: Regs) {
     mem.prefetch(cache.entry_address(regs.ip));
+    // The chain's links are read one after the other, each a miss of its
+    // own: none past where the walk will take the thread's remembered
+    // start whole.
+    let end = cache.start.first_sp().unwrap_or(u64::MAX);
     let (mut bp, mut below) = (regs.bp, regs.sp);
     for _ in 0..PREFETCH_FRAMES {
-        if bp < below {
+        if bp < below || bp >= end {
             break;
         }
         let (Some(next), Some(ra)) = (mem.stack_word(bp), mem.stack_word(bp.wrapping_add(8))) else { break };

@@ -54,6 +54,12 @@ impl ThreadStart {
         Some((&self.frames[..self.len], self.sps[self.len - 1]))
     }
 
+    /// The stack pointer of the remembered start's first frame: a walk
+    /// that gets there takes the rest as it is.
+    pub(crate) fn first_sp(&self) -> Option<u64> {
+        (self.len > 0).then_some(self.sps[0])
+    }
+
     fn remember(&mut self, generation: u64, frames: &[u64], sps: &[u64]) {
         if frames.len() != sps.len() || frames.is_empty() || frames.len() > START_FRAMES {
             return;
