@@ -1786,6 +1786,59 @@ mod tests {
     use corsnap_unwind::process::{native_module, parse_maps, stack_ranges, LoadedElf};
     use corsnap_unwind::{address_of, flags};
 
+    /// Every native frame the row tables have a rule for unwinds as
+    /// framehop unwinds it, as a leaf and as a return address: addresses all
+    /// through this process's libraries (libc, libm, the loader, this test's
+    /// own code), on a stack whose every word differs, so that a wrong
+    /// offset reads a wrong value.
+    #[test]
+    fn native_frames_unwind_by_the_row_tables_as_by_framehop() {
+        struct Distinct;
+        impl corsnap_unwind::Memory for Distinct {
+            fn stack_word(&self, addr: u64) -> Option<u64> {
+                (0x10_0000..0x30_0000).contains(&addr).then(|| addr.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 8)
+            }
+            fn code_bytes(&self, _: &corsnap_unwind::ManagedCode, _: std::ops::Range<u64>) -> Option<&[u8]> {
+                None
+            }
+        }
+        let started = Instant::now();
+        let map = own_code_map();
+        let bytes = corsnap_unwind::native_table_bytes(&map);
+        eprintln!("row tables: {bytes} bytes, built with the map in {:?}", started.elapsed());
+        let (objects, _) = crate::process::loaded_objects();
+        let mut cache = corsnap_unwind::WalkCache::new();
+        let (mut compared, mut wrong) = (0u64, Vec::new());
+        for o in &objects {
+            for &(start, len, _) in o.segments.iter().filter(|s| s.2) {
+                for address in (o.bias.wrapping_add(start)..o.bias.wrapping_add(start + len)).step_by(37) {
+                    for exact in [true, false] {
+                        // A return address is looked up one byte back, in the call.
+                        let ip = if exact { address } else { address + 1 };
+                        let regs = Regs { ip, sp: 0x18_0000, bp: 0x20_0000 };
+                        let Some((table, framehop)) =
+                            corsnap_unwind::native_frame_both_ways(&map, &Distinct, regs, exact, &mut cache)
+                        else {
+                            continue;
+                        };
+                        compared += 1;
+                        let same = match framehop {
+                            // framehop's end of the stack: a return address of 0.
+                            Some(f) if f.ip == 0 => table.is_some_and(|t| t.ip == 0),
+                            f => table == f,
+                        };
+                        if !same && wrong.len() < 10 {
+                            wrong.push((o.name.clone(), address - o.bias, exact, table, framehop));
+                        }
+                    }
+                }
+            }
+        }
+        eprintln!("{compared} frames compared");
+        assert!(compared > 20_000, "only {compared} frames had a rule");
+        assert!(wrong.is_empty(), "{wrong:#x?}");
+    }
+
     fn own_code_map() -> CodeMap {
         let (objects, _) = crate::process::loaded_objects();
         let natives = objects

@@ -971,6 +971,7 @@ impl SignalEngine {
             return;
         }
         self.loader_counters = counters;
+        let started = Instant::now();
         let mut natives = Vec::new();
         for o in &objects {
             if self.hijack_stub.is_none() && !self.native_cache.contains_key(&(o.name.clone(), o.bias)) {
@@ -991,6 +992,13 @@ impl SignalEngine {
                 natives.push(m.clone());
             }
         }
+        log::write(format_args!(
+            "native modules: {} ({} new ones read in {:?}; row tables {} KiB)",
+            natives.len(),
+            natives.len().saturating_sub(self.natives.len()),
+            started.elapsed(),
+            natives.iter().map(corsnap_unwind::NativeModule::table_bytes).sum::<usize>() / 1024
+        ));
         self.natives = natives;
         self.natives_changed = true;
         self.map_dirty = true;

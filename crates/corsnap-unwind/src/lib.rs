@@ -31,6 +31,7 @@
 mod frame_rule;
 mod hijack;
 mod leaf_functions;
+mod native_table;
 pub mod process;
 mod thread_start;
 
@@ -43,6 +44,7 @@ use pe_unwind_info::x86_64::{FunctionTableEntries, Register, UnwindState, XmmReg
 
 use frame_rule::FrameRule;
 use leaf_functions::LeafFunctions;
+use native_table::NativeTable;
 use thread_start::{StartTracker, ThreadStart};
 
 pub use hijack::{parse_hijack_stub, HijackStub, HIJACK_STUB_START};
@@ -220,6 +222,8 @@ pub struct NativeModule {
     /// Actual address minus the address the file states.
     pub bias: u64,
     module: Module<Bytes>,
+    /// Its CFI rows by address, for leaves (see [`native_table`]).
+    table: Option<Arc<NativeTable>>,
 }
 
 impl std::fmt::Debug for NativeModule {
@@ -242,6 +246,12 @@ impl NativeModule {
     /// `code`: the executable mapping(s) of the module; `bias`: the load
     /// bias (actual address minus stated address).
     pub fn new(name: String, code: Range<u64>, bias: u64, sections: ElfSections) -> NativeModule {
+        let table = match (&sections.text, &sections.eh_frame) {
+            (Some(text), Some((eh_frame, bytes))) => {
+                NativeTable::build(eh_frame.start, bytes, text.clone(), bias).map(Arc::new)
+            }
+            _ => None,
+        };
         let info = ExplicitModuleSectionInfo {
             base_svma: 0,
             text_svma: sections.text.clone(),
@@ -253,7 +263,12 @@ impl NativeModule {
             ..Default::default()
         };
         let module = Module::new(name.clone(), code.clone(), bias, info);
-        NativeModule { name, code, bias, module }
+        NativeModule { name, code, bias, module, table }
+    }
+
+    /// The size of its row table (see [`native_table`]), in bytes.
+    pub fn table_bytes(&self) -> usize {
+        self.table.as_ref().map_or(0, |t| t.size())
     }
 }
 
@@ -427,6 +442,12 @@ impl CodeMap {
         let i = self.managed.partition_point(|m| m.code.start <= addr);
         let m = self.managed.get(i.checked_sub(1)?)?;
         (addr < m.code.end).then_some(m)
+    }
+
+    /// The index of the native module containing `addr`.
+    fn native_index_at(&self, addr: u64) -> Option<usize> {
+        let i = self.natives.partition_point(|m| m.code.start <= addr).checked_sub(1)?;
+        (addr < self.natives.get(i)?.code.end).then_some(i)
     }
 
     /// The native module containing `addr`.
@@ -621,20 +642,23 @@ pub fn walk_until<M: Memory>(
             }
         } else if native_hit {
             native_frame = true;
-            native_step(map, mem, regs, exact, cache)
+            let module = hit.and_then(|h| map.natives.get(h.entry as usize)).filter(|m| m.code.contains(&lookup));
+            native_frame_step(map, module, mem, regs, exact, cache)
         } else if let Some(stub) = map.hijack_stub.as_ref().filter(|s| s.range.contains(&lookup)) {
             hijack_stub_step(map, mem, regs, exact, stub)
-        } else if map.native_at(lookup).is_some() {
+        } else if let Some(index) = map.native_index_at(lookup) {
+            let module = map.natives.get(index);
             let hit = ManagedHit {
                 generation: map.generation,
                 address: lookup,
                 region: NATIVE_REGION,
-                entry: 0,
+                // For a native frame: its module.
+                entry: index as u32,
                 rule: FrameRule::UNSUITABLE,
             };
             cache.remember_managed(hit);
             native_frame = true;
-            native_step(map, mem, regs, exact, cache)
+            native_frame_step(map, module, mem, regs, exact, cache)
         } else {
             unknown = true;
             unknown_step(map, mem, regs, exact)
@@ -733,6 +757,50 @@ fn managed_caller<M: Memory>(
 fn signal_context<M: Memory>(mem: &M, uc: u64) -> Option<Regs> {
     let greg = |r: u64| mem.stack_word(uc.checked_add(UC_GREGS + 8 * r)?);
     Some(Regs { ip: greg(REG_RIP)?, sp: greg(REG_RSP)?, bp: greg(REG_RBP)? })
+}
+
+/// A native frame's step: by its row in the module's table when the row has
+/// a rule (a few reads of one array, and the same rule framehop would make
+/// of that row), else by framehop.
+fn native_frame_step<M: Memory>(
+    map: &CodeMap,
+    module: Option<&NativeModule>,
+    mem: &M,
+    regs: Regs,
+    exact: bool,
+    cache: &mut WalkCache,
+) -> Step {
+    let lookup = if exact { regs.ip } else { regs.ip.wrapping_sub(1) };
+    if let Some(rule) = module.and_then(|m| m.table.as_ref()).and_then(|t| t.rule_at(lookup)) {
+        return rule.caller(mem, regs).map_or(Step::Lost, Step::Next);
+    }
+    native_step(map, mem, regs, exact, cache)
+}
+
+/// For tests: a native frame at `regs` (a leaf when `exact`, else a return
+/// address) unwound by its module's row table and by framehop, when the
+/// table has a rule for it.
+#[doc(hidden)]
+pub fn native_frame_both_ways<M: Memory>(
+    map: &CodeMap,
+    mem: &M,
+    regs: Regs,
+    exact: bool,
+    cache: &mut WalkCache,
+) -> Option<(Option<Regs>, Option<Regs>)> {
+    let lookup = if exact { regs.ip } else { regs.ip.wrapping_sub(1) };
+    let rule = map.native_at(lookup)?.table.as_ref()?.rule_at(lookup)?;
+    let framehop = match native_step(map, mem, regs, exact, cache) {
+        Step::Next(next) => Some(next),
+        Step::Done => Some(Regs { ip: 0, ..regs }),
+        Step::Lost => None,
+    };
+    Some((rule.caller(mem, regs), framehop))
+}
+
+/// The size of the native modules' row tables, in bytes.
+pub fn native_table_bytes(map: &CodeMap) -> usize {
+    map.natives.iter().map(NativeModule::table_bytes).sum()
 }
 
 fn native_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool, cache: &mut WalkCache) -> Step {

@@ -1,0 +1,192 @@
+//! A native module's CFI, compiled once into a table of rows by address, for
+//! the frames a sample stops in.
+//!
+//! framehop remembers a rule per address, which serves return addresses
+//! (the same call sites again and again) but hardly ever a leaf: an exact
+//! instruction pointer, a different one at each sample. Each native leaf
+//! was a full `.eh_frame` lookup (a binary search of the module's
+//! `.eh_frame_hdr`, the FDE and its CIE parsed, the CFI program run up to
+//! the address), cold at 100 samples a second: 7 µs of a 17 µs sample on
+//! `taskfaults.cs`, where most leaves are in the runtime's exception code. A
+//! cache of the rows leaves were met in (16 a thread) was tried: 25 hits in
+//! 460 leaves, the rows are that many.
+//!
+//! So, as eBPF profilers do, each module's rows are compiled when the module
+//! is first seen (on the agent's thread): every row's start address and its
+//! rule, in one sorted array (6 bytes a row) with a page index over it. A
+//! leaf then costs a few reads of that array. Rows of a shape no rule
+//! describes (CFA by expression, a return address not just below the CFA)
+//! are left to framehop, as is any address the table has no row for.
+
+use std::ops::Range;
+
+use gimli::{
+    BaseAddresses, CfaRule, CieOrFde, EhFrame, LittleEndian, RegisterRule, UnwindContext, UnwindContextStorage,
+    UnwindSection, UnwindTableRow, X86_64,
+};
+
+use crate::{Memory, Regs};
+
+/// Rows of the table carry this in place of a rule: no row there, or one
+/// no rule describes.
+const NO_RULE: u16 = u16::MAX;
+/// The page index's granularity (4 KiB of code a page).
+const PAGE_SHIFT: u32 = 12;
+
+/// One CFI row reduced to what a step needs: the caller's stack pointer
+/// (the CFA) is the stack or frame pointer plus an offset, the return
+/// address lies just below it, and the caller's frame pointer is unchanged
+/// or saved at an offset from the CFA. The shapes framehop caches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CfiRule {
+    cfa_from_bp: bool,
+    cfa_offset: i32,
+    bp_at: Option<i32>,
+}
+
+impl CfiRule {
+    fn from_row<S: UnwindContextStorage<usize>>(row: &UnwindTableRow<usize, S>) -> Option<CfiRule> {
+        if row.register(X86_64::RA) != Some(RegisterRule::Offset(-8)) {
+            return None;
+        }
+        let (cfa_from_bp, cfa_offset) = match row.cfa() {
+            CfaRule::RegisterAndOffset { register, offset } if *register == X86_64::RSP => (false, *offset),
+            CfaRule::RegisterAndOffset { register, offset } if *register == X86_64::RBP => (true, *offset),
+            _ => return None,
+        };
+        let bp_at = match row.register(X86_64::RBP) {
+            None | Some(RegisterRule::Undefined) | Some(RegisterRule::SameValue) => None,
+            Some(RegisterRule::Offset(offset)) => Some(i32::try_from(offset).ok()?),
+            Some(_) => return None,
+        };
+        Some(CfiRule { cfa_from_bp, cfa_offset: i32::try_from(cfa_offset).ok()?, bp_at })
+    }
+
+    /// The caller of a frame at `regs` under this rule.
+    pub(crate) fn caller<M: Memory>(&self, mem: &M, regs: Regs) -> Option<Regs> {
+        let base = if self.cfa_from_bp { regs.bp } else { regs.sp };
+        let cfa = base.checked_add_signed(i64::from(self.cfa_offset))?;
+        let ip = mem.stack_word(cfa.checked_sub(8)?)?;
+        let bp = match self.bp_at {
+            Some(at) => mem.stack_word(cfa.checked_add_signed(i64::from(at))?)?,
+            None => regs.bp,
+        };
+        Some(Regs { ip, sp: cfa, bp })
+    }
+}
+
+/// A module's rows, by address.
+#[derive(Debug)]
+pub(crate) struct NativeTable {
+    /// The actual address offsets are counted from.
+    base: u64,
+    /// Each row's first address, as an offset from `base`, ascending; the
+    /// row runs to the next one's start.
+    starts: Vec<u32>,
+    /// Each row's rule: an index into `rules`, or [`NO_RULE`].
+    rule_of: Vec<u16>,
+    /// The distinct rules (a few dozen in a whole library).
+    rules: Vec<CfiRule>,
+    /// For each page of code from `base`, the index of the first row that
+    /// starts at or after the page's start.
+    pages: Vec<u32>,
+}
+
+impl NativeTable {
+    /// Compiles the rows of every FDE in `eh_frame` (bytes at `eh_frame_svma`,
+    /// in a module loaded with `bias`; `text` the code's stated addresses).
+    /// `None` if the section cannot be read or the module's code spans more
+    /// than offsets can (4 GiB).
+    pub(crate) fn build(eh_frame_svma: u64, eh_frame: &[u8], text: Range<u64>, bias: u64) -> Option<NativeTable> {
+        let bases = BaseAddresses::default().set_eh_frame(eh_frame_svma).set_text(text.start);
+        let mut section = EhFrame::new(eh_frame, LittleEndian);
+        section.set_address_size(8);
+        let mut context: Box<UnwindContext<usize>> = Box::new(UnwindContext::new());
+        // (start, end, rule) in stated addresses.
+        let mut rows: Vec<(u64, u64, Option<CfiRule>)> = Vec::new();
+        let mut entries = section.entries(&bases);
+        while let Ok(Some(entry)) = entries.next() {
+            let CieOrFde::Fde(partial) = entry else { continue };
+            let Ok(fde) = partial.parse(EhFrame::cie_from_offset) else { continue };
+            let Ok(mut table) = fde.rows(&section, &bases, &mut context) else { continue };
+            while let Ok(Some(row)) = table.next_row() {
+                rows.push((row.start_address(), row.end_address(), CfiRule::from_row(row)));
+            }
+        }
+        rows.sort_by_key(|r| r.0);
+        let base_svma = text.start.min(rows.first().map_or(text.start, |r| r.0));
+        let offset = |a: u64| u32::try_from(a.checked_sub(base_svma)?).ok();
+        let mut table = NativeTable {
+            base: base_svma.wrapping_add(bias),
+            starts: Vec::with_capacity(rows.len() + rows.len() / 8),
+            rule_of: Vec::with_capacity(rows.len() + rows.len() / 8),
+            rules: Vec::new(),
+            pages: Vec::new(),
+        };
+        let mut covered_to = 0u32;
+        for (start, end, rule) in rows {
+            let (Some(start), Some(end)) = (offset(start), offset(end)) else { return None };
+            if start < covered_to || end <= start {
+                continue; // overlapping FDEs: the first one's rows stand
+            }
+            if start > covered_to && !table.starts.is_empty() {
+                table.push(covered_to, NO_RULE); // a gap between FDEs
+            }
+            let index = match rule {
+                Some(rule) => match table.rules.iter().position(|r| *r == rule) {
+                    Some(i) => i as u16,
+                    None if table.rules.len() < usize::from(NO_RULE) => {
+                        table.rules.push(rule);
+                        (table.rules.len() - 1) as u16
+                    }
+                    None => NO_RULE,
+                },
+                None => NO_RULE,
+            };
+            table.push(start, index);
+            covered_to = end;
+        }
+        table.push(covered_to, NO_RULE);
+        let last = *table.starts.last()?;
+        let mut row = 0usize;
+        for page in 0..=(last >> PAGE_SHIFT) + 1 {
+            let page_start = page << PAGE_SHIFT;
+            while row < table.starts.len() && table.starts[row] < page_start {
+                row += 1;
+            }
+            table.pages.push(row as u32);
+        }
+        table.starts.shrink_to_fit();
+        table.rule_of.shrink_to_fit();
+        Some(table)
+    }
+
+    fn push(&mut self, start: u32, rule: u16) {
+        // Consecutive rows with one rule are one row.
+        if self.rule_of.last() == Some(&rule) {
+            return;
+        }
+        self.starts.push(start);
+        self.rule_of.push(rule);
+    }
+
+    /// The rule of the row holding `address` (actual), if it has one.
+    pub(crate) fn rule_at(&self, address: u64) -> Option<CfiRule> {
+        let offset = u32::try_from(address.checked_sub(self.base)?).ok()?;
+        let page = (offset >> PAGE_SHIFT) as usize;
+        // Rows starting in this page lie in pages[page]..pages[page + 1]; the
+        // row holding the address is the last one starting at or before it,
+        // which may have started in an earlier page.
+        let (from, to) = (*self.pages.get(page)? as usize, *self.pages.get(page + 1)? as usize);
+        let in_page = self.starts.get(from..to)?;
+        let i = from + in_page.partition_point(|&s| s <= offset);
+        let row = i.checked_sub(1)?;
+        let rule = *self.rule_of.get(row)?;
+        self.rules.get(usize::from(rule)).copied()
+    }
+
+    /// Bytes held.
+    pub(crate) fn size(&self) -> usize {
+        self.starts.len() * 4 + self.rule_of.len() * 2 + self.pages.len() * 4 + self.rules.len() * 12
+    }
+}
