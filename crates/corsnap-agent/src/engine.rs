@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use corsnap_wire::SamplerStats;
 
+use crate::native_modules::SharedNativeModules;
 use crate::recorder::Recorder;
 use crate::signal_engine::{Sample, SignalEngine};
 use crate::Shared;
@@ -57,9 +58,9 @@ pub(crate) struct SignalCpuEngine {
 }
 
 impl SignalCpuEngine {
-    pub(crate) fn start(shared: Arc<Shared>) -> Result<SignalCpuEngine, String> {
+    pub(crate) fn start(shared: Arc<Shared>, native_modules: SharedNativeModules) -> Result<SignalCpuEngine, String> {
         let rate = shared.signal.rate();
-        let engine = SignalEngine::start(shared.clone(), rate)?;
+        let engine = SignalEngine::start(shared.clone(), rate, native_modules)?;
         Ok(SignalCpuEngine {
             shared,
             engine,

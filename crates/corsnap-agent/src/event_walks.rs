@@ -24,12 +24,13 @@ use std::time::Duration;
 use corsnap_abi::event_walk::{EventMap, OwnStackCopy};
 use corsnap_abi::signal::{self, SignalSampler};
 use corsnap_abi::{CorProfilerInfo, FunctionID};
-use corsnap_unwind::process::{native_module, parse_maps, stack_ranges, LoadedElf};
+use corsnap_unwind::process::{parse_maps, stack_ranges};
 use corsnap_unwind::{flags, lookup_address, CodeMap, ManagedCode, NativeModule};
 use corsnap_wire::NATIVE_FRAME_BIT;
 
 use crate::code_learning::{CodeLearner, Learned, STUB_TAG};
 use crate::log;
+use crate::native_modules::SharedNativeModules;
 use crate::runtime_layout::RuntimeLayout;
 use crate::signal_engine::{fold_funclets, FrameName, INCOMPLETE_KEY, UNKNOWN_CODE_KEY};
 use crate::symbols::Symbolizer;
@@ -59,7 +60,7 @@ pub struct EventWalker {
     events_map: Option<EventMap>,
     loader_counters: (u64, u64),
     natives: Vec<NativeModule>,
-    native_cache: HashMap<(String, u64), Option<NativeModule>>,
+    native_modules: SharedNativeModules,
     managed: Vec<ManagedCode>,
     stacks: Vec<std::ops::Range<u64>>,
     map: Arc<CodeMap>,
@@ -89,7 +90,7 @@ impl EventWalker {
     /// Builds and publishes the map event walks read. `Err` says why the
     /// native walker cannot serve this runtime (events then use
     /// `DoStackSnapshot`).
-    pub fn start(info: CorProfilerInfo) -> Result<EventWalker, String> {
+    pub fn start(info: CorProfilerInfo, native_modules: SharedNativeModules) -> Result<EventWalker, String> {
         let version = crate::runtime_version(&info);
         let layout = RuntimeLayout::detect(&version)?;
         let events_map = EventMap::install().ok_or("another event walker is installed")?;
@@ -98,7 +99,7 @@ impl EventWalker {
             events_map: Some(events_map),
             loader_counters: (u64::MAX, u64::MAX),
             natives: Vec::new(),
-            native_cache: HashMap::new(),
+            native_modules,
             managed: Vec::new(),
             stacks: Vec::new(),
             map: Arc::new(CodeMap::default()),
@@ -394,17 +395,7 @@ impl EventWalker {
             return;
         }
         self.loader_counters = counters;
-        let mut natives = Vec::new();
-        for o in &objects {
-            let entry = self.native_cache.entry((o.name.clone(), o.bias)).or_insert_with(|| {
-                let elf =
-                    LoadedElf { name: &o.name, bias: o.bias, segments: &o.segments, eh_frame_hdr: o.eh_frame_hdr };
-                native_module(&elf, corsnap_abi::process::read_own_bytes)
-            });
-            if let Some(m) = entry {
-                natives.push(m.clone());
-            }
-        }
+        let natives = self.native_modules.borrow_mut().modules_of(&objects);
         self.natives = natives;
         self.map_dirty = true;
         self.natives_dirty = true;

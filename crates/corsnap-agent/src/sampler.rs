@@ -19,6 +19,7 @@ use crate::engine::{Engine, SignalCpuEngine};
 use crate::event_walks::EventWalker;
 use crate::events::Subject;
 use crate::log;
+use crate::native_modules::NativeModules;
 use crate::recorder::Recorder;
 use crate::suspend_engine::{SuspendEngine, MAX_THREADS_PER_TICK};
 use crate::Shared;
@@ -246,8 +247,9 @@ struct SamplerLoop {
 
 impl SamplerLoop {
     fn new(shared: Arc<Shared>, channel: Channel) -> Self {
+        let native_modules = NativeModules::shared();
         let signal = if shared.sampler_kind == corsnap_wire::SamplerKind::Signal && shared.records(EventKind::Cpu) {
-            match SignalCpuEngine::start(shared.clone()) {
+            match SignalCpuEngine::start(shared.clone(), native_modules.clone()) {
                 Ok(engine) => Some(engine),
                 Err(why) => {
                     let text = format!("{why}; CPU samples are taken by the suspend engine instead");
@@ -263,7 +265,7 @@ impl SamplerLoop {
             .iter()
             .any(|&k| shared.records(k));
         let event_walker = if records_events && shared.native_event_walks {
-            match EventWalker::start(shared.info) {
+            match EventWalker::start(shared.info, native_modules) {
                 Ok(walker) => Some(walker),
                 Err(why) => {
                     let text = format!("{why}; event stacks are walked by DoStackSnapshot instead");

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use corsnap_abi::signal::{self, SignalSampler, SlotId};
 use corsnap_abi::FunctionID;
-use corsnap_unwind::process::{native_module, parse_maps, stack_ranges, LoadedElf};
+use corsnap_unwind::process::{parse_maps, stack_ranges};
 use corsnap_unwind::{
     flags, lookup_address, parse_hijack_stub, CodeMap, HijackStub, ManagedCode, NativeModule, HIJACK_STUB_START,
 };
@@ -34,6 +34,7 @@ use corsnap_wire::{CpuClock, SamplerStats, NATIVE_FRAME_BIT, NO_IL_OFFSET};
 
 use crate::code_learning::{CodeLearner, Learned, STUB_TAG};
 use crate::log;
+use crate::native_modules::SharedNativeModules;
 use crate::runtime_layout::RuntimeLayout;
 use crate::symbols::Symbolizer;
 use crate::Shared;
@@ -172,7 +173,9 @@ pub struct SignalEngine {
     clock_switches: u64,
     loader_counters: (u64, u64),
     natives: Vec<NativeModule>,
-    native_cache: HashMap<(String, u64), Option<NativeModule>>,
+    native_modules: SharedNativeModules,
+    /// The objects already searched for the runtime's hijack trampoline.
+    searched_for_hijack_stub: HashSet<(String, u64)>,
     managed: Vec<ManagedCode>,
     stacks: Vec<std::ops::Range<u64>>,
     map: Arc<CodeMap>,
@@ -231,7 +234,11 @@ impl std::fmt::Debug for SignalEngine {
 impl SignalEngine {
     /// Installs the handler and arms timers on every thread. `Err` says why
     /// the engine cannot run here (the caller falls back to `suspend`).
-    pub fn start(shared: Arc<Shared>, rate_hz: u32) -> Result<SignalEngine, String> {
+    pub fn start(
+        shared: Arc<Shared>,
+        rate_hz: u32,
+        native_modules: SharedNativeModules,
+    ) -> Result<SignalEngine, String> {
         // Before anything is installed: without a layout it can trust, the
         // engine could only produce wrong stacks.
         let version = crate::runtime_version(&shared.info);
@@ -273,7 +280,8 @@ impl SignalEngine {
             clock_switches: 0,
             loader_counters: (u64::MAX, u64::MAX),
             natives: Vec::new(),
-            native_cache: HashMap::new(),
+            native_modules,
+            searched_for_hijack_stub: HashSet::new(),
             managed: Vec::new(),
             stacks: Vec::new(),
             map: Arc::new(CodeMap::default()),
@@ -972,9 +980,8 @@ impl SignalEngine {
         }
         self.loader_counters = counters;
         let started = Instant::now();
-        let mut natives = Vec::new();
         for o in &objects {
-            if self.hijack_stub.is_none() && !self.native_cache.contains_key(&(o.name.clone(), o.bias)) {
+            if self.hijack_stub.is_none() && self.searched_for_hijack_stub.insert((o.name.clone(), o.bias)) {
                 self.hijack_stub = find_hijack_stub(o);
                 if let Some(stub) = &self.hijack_stub {
                     log::write(format_args!(
@@ -983,19 +990,11 @@ impl SignalEngine {
                     ));
                 }
             }
-            let entry = self.native_cache.entry((o.name.clone(), o.bias)).or_insert_with(|| {
-                let elf =
-                    LoadedElf { name: &o.name, bias: o.bias, segments: &o.segments, eh_frame_hdr: o.eh_frame_hdr };
-                native_module(&elf, corsnap_abi::process::read_own_bytes)
-            });
-            if let Some(m) = entry {
-                natives.push(m.clone());
-            }
         }
+        let natives = self.native_modules.borrow_mut().modules_of(&objects);
         log::write(format_args!(
-            "native modules: {} ({} new ones read in {:?}; row tables {} KiB)",
+            "native modules: {} (read in {:?}; row tables {} KiB)",
             natives.len(),
-            natives.len().saturating_sub(self.natives.len()),
             started.elapsed(),
             natives.iter().map(corsnap_unwind::NativeModule::table_bytes).sum::<usize>() / 1024
         ));

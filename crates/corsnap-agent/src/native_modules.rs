@@ -1,0 +1,49 @@
+//! The process's native libraries as the walkers know them: each read once
+//! (its unwind sections copied, its CFI compiled into a row table) and
+//! shared by the signal engine and the event walker, which both run on the
+//! sampler thread.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use corsnap_abi::process::LoadedObject;
+use corsnap_unwind::process::{native_module, LoadedElf};
+use corsnap_unwind::NativeModule;
+
+/// One cache for the sampler thread's walkers.
+pub(crate) type SharedNativeModules = Rc<RefCell<NativeModules>>;
+
+#[derive(Default)]
+pub(crate) struct NativeModules {
+    /// By name and load bias (a library unloaded and loaded again elsewhere
+    /// is another module); `None`: not one a walker can use.
+    cache: HashMap<(String, u64), Option<NativeModule>>,
+}
+
+impl NativeModules {
+    pub(crate) fn shared() -> SharedNativeModules {
+        Rc::new(RefCell::new(NativeModules::default()))
+    }
+
+    /// The modules of `objects`, each read the first time any walker met it.
+    pub(crate) fn modules_of(&mut self, objects: &[LoadedObject]) -> Vec<NativeModule> {
+        objects
+            .iter()
+            .filter_map(|o| {
+                self.cache
+                    .entry((o.name.clone(), o.bias))
+                    .or_insert_with(|| {
+                        let elf = LoadedElf {
+                            name: &o.name,
+                            bias: o.bias,
+                            segments: &o.segments,
+                            eh_frame_hdr: o.eh_frame_hdr,
+                        };
+                        native_module(&elf, corsnap_abi::process::read_own_bytes)
+                    })
+                    .clone()
+            })
+            .collect()
+    }
+}
