@@ -246,9 +246,9 @@ impl NativeModule {
     /// `code`: the executable mapping(s) of the module; `bias`: the load
     /// bias (actual address minus stated address).
     pub fn new(name: String, code: Range<u64>, bias: u64, sections: ElfSections) -> NativeModule {
-        let table = match (&sections.text, &sections.eh_frame) {
-            (Some(text), Some((eh_frame, bytes))) => {
-                NativeTable::build(eh_frame.start, bytes, text.clone(), bias).map(Arc::new)
+        let table = match (&sections.text, &sections.eh_frame, &sections.eh_frame_hdr) {
+            (Some(text), Some((eh_frame, bytes)), Some((hdr, hdr_bytes))) => {
+                NativeTable::build((eh_frame.start, bytes), (hdr.start, hdr_bytes), text.clone(), bias).map(Arc::new)
             }
             _ => None,
         };

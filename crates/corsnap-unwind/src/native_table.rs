@@ -21,8 +21,8 @@
 use std::ops::Range;
 
 use gimli::{
-    BaseAddresses, CfaRule, CieOrFde, EhFrame, LittleEndian, RegisterRule, UnwindContext, UnwindContextStorage,
-    UnwindSection, UnwindTableRow, X86_64,
+    BaseAddresses, CfaRule, EhFrame, EhFrameHdr, LittleEndian, Pointer, RegisterRule, UnwindContext,
+    UnwindContextStorage, UnwindSection, UnwindTableRow, X86_64,
 };
 
 use crate::{Memory, Regs};
@@ -93,58 +93,60 @@ pub(crate) struct NativeTable {
 }
 
 impl NativeTable {
-    /// Compiles the rows of every FDE in `eh_frame` (bytes at `eh_frame_svma`,
-    /// in a module loaded with `bias`; `text` the code's stated addresses).
-    /// `None` if the section cannot be read or the module's code spans more
-    /// than offsets can (4 GiB).
-    pub(crate) fn build(eh_frame_svma: u64, eh_frame: &[u8], text: Range<u64>, bias: u64) -> Option<NativeTable> {
-        let bases = BaseAddresses::default().set_eh_frame(eh_frame_svma).set_text(text.start);
-        let mut section = EhFrame::new(eh_frame, LittleEndian);
+    /// Compiles the rows of every FDE, in the order of the `.eh_frame_hdr`
+    /// search table (by address: the rows come sorted, and nothing but the
+    /// table itself is allocated; a sort of all rows first would leave
+    /// megabytes of freed heap in the program's resident memory). Sections
+    /// are given with their stated addresses; `text` is the code's, `bias`
+    /// the module's load bias. `None` without a search table, or when the
+    /// code spans more than offsets can (4 GiB): framehop then does it all.
+    pub(crate) fn build(
+        eh_frame: (u64, &[u8]),
+        eh_frame_hdr: (u64, &[u8]),
+        text: Range<u64>,
+        bias: u64,
+    ) -> Option<NativeTable> {
+        let bases =
+            BaseAddresses::default().set_eh_frame(eh_frame.0).set_eh_frame_hdr(eh_frame_hdr.0).set_text(text.start);
+        let header = EhFrameHdr::new(eh_frame_hdr.1, LittleEndian).parse(&bases, 8).ok()?;
+        let search = header.table()?;
+        let mut section = EhFrame::new(eh_frame.1, LittleEndian);
         section.set_address_size(8);
-        let mut context: Box<UnwindContext<usize>> = Box::new(UnwindContext::new());
-        // (start, end, rule) in stated addresses.
-        let mut rows: Vec<(u64, u64, Option<CfiRule>)> = Vec::new();
-        let mut entries = section.entries(&bases);
-        while let Ok(Some(entry)) = entries.next() {
-            let CieOrFde::Fde(partial) = entry else { continue };
-            let Ok(fde) = partial.parse(EhFrame::cie_from_offset) else { continue };
-            let Ok(mut table) = fde.rows(&section, &bases, &mut context) else { continue };
-            while let Ok(Some(row)) = table.next_row() {
-                rows.push((row.start_address(), row.end_address(), CfiRule::from_row(row)));
-            }
-        }
-        rows.sort_by_key(|r| r.0);
-        let base_svma = text.start.min(rows.first().map_or(text.start, |r| r.0));
+        let first = match search.iter(&bases).next().ok()??.0 {
+            Pointer::Direct(address) => address,
+            Pointer::Indirect(_) => return None,
+        };
+        let base_svma = text.start.min(first);
         let offset = |a: u64| u32::try_from(a.checked_sub(base_svma)?).ok();
         let mut table = NativeTable {
             base: base_svma.wrapping_add(bias),
-            starts: Vec::with_capacity(rows.len() + rows.len() / 8),
-            rule_of: Vec::with_capacity(rows.len() + rows.len() / 8),
+            starts: Vec::new(),
+            rule_of: Vec::new(),
             rules: Vec::new(),
             pages: Vec::new(),
         };
+        let mut context: Box<UnwindContext<usize>> = Box::new(UnwindContext::new());
         let mut covered_to = 0u32;
-        for (start, end, rule) in rows {
-            let (Some(start), Some(end)) = (offset(start), offset(end)) else { return None };
-            if start < covered_to || end <= start {
-                continue; // overlapping FDEs: the first one's rows stand
+        let mut entries = search.iter(&bases);
+        while let Ok(Some((_, fde_at))) = entries.next() {
+            let Ok(at) = search.pointer_to_offset(fde_at) else { continue };
+            let Ok(fde) = section.fde_from_offset(&bases, at, EhFrame::cie_from_offset) else { continue };
+            let Ok(mut rows) = fde.rows(&section, &bases, &mut context) else { continue };
+            while let Ok(Some(row)) = rows.next_row() {
+                let (Some(start), Some(end)) = (offset(row.start_address()), offset(row.end_address())) else {
+                    return None;
+                };
+                if start < covered_to || end <= start {
+                    continue; // overlapping FDEs: the first one's rows stand
+                }
+                if start > covered_to && !table.starts.is_empty() {
+                    table.push(covered_to, NO_RULE); // a gap between FDEs
+                }
+                let rule = CfiRule::from_row(row);
+                let index = table.rule_index(rule);
+                table.push(start, index);
+                covered_to = end;
             }
-            if start > covered_to && !table.starts.is_empty() {
-                table.push(covered_to, NO_RULE); // a gap between FDEs
-            }
-            let index = match rule {
-                Some(rule) => match table.rules.iter().position(|r| *r == rule) {
-                    Some(i) => i as u16,
-                    None if table.rules.len() < usize::from(NO_RULE) => {
-                        table.rules.push(rule);
-                        (table.rules.len() - 1) as u16
-                    }
-                    None => NO_RULE,
-                },
-                None => NO_RULE,
-            };
-            table.push(start, index);
-            covered_to = end;
         }
         table.push(covered_to, NO_RULE);
         let last = *table.starts.last()?;
@@ -159,6 +161,19 @@ impl NativeTable {
         table.starts.shrink_to_fit();
         table.rule_of.shrink_to_fit();
         Some(table)
+    }
+
+    /// The index of `rule` in the table's rules, added if new.
+    fn rule_index(&mut self, rule: Option<CfiRule>) -> u16 {
+        let Some(rule) = rule else { return NO_RULE };
+        if let Some(i) = self.rules.iter().position(|r| *r == rule) {
+            return i as u16;
+        }
+        if self.rules.len() >= usize::from(NO_RULE) {
+            return NO_RULE;
+        }
+        self.rules.push(rule);
+        (self.rules.len() - 1) as u16
     }
 
     fn push(&mut self, start: u32, rule: u16) {
