@@ -86,10 +86,8 @@ impl SignalCpuEngine {
     }
 
     fn send(&mut self, recorder: &mut Recorder) -> bool {
-        let samples = std::mem::take(&mut self.samples);
-        let sent = recorder.send_os_thread_samples(self.engine.take_names(), &samples);
+        let sent = recorder.send_os_thread_samples(self.engine.take_names(), &self.samples);
         // The buffer is kept for the next round.
-        self.samples = samples;
         self.samples.clear();
         sent
     }

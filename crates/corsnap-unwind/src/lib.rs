@@ -452,9 +452,7 @@ impl CodeMap {
 
     /// The native module containing `addr`.
     pub fn native_at(&self, addr: u64) -> Option<&NativeModule> {
-        let i = self.natives.partition_point(|m| m.code.start <= addr);
-        let m = self.natives.get(i.checked_sub(1)?)?;
-        (addr < m.code.end).then_some(m)
+        self.natives.get(self.native_index_at(addr)?)
     }
 
     /// Whether `addr` is in code the map knows.
@@ -959,23 +957,24 @@ fn managed_step<M: Memory>(
     Some(step)
 }
 
-/// The byte offset of the 12-byte `RUNTIME_FUNCTION` (begin, end,
-/// unwind-info RVAs) of a table sorted by begin address whose range holds
-/// `rva`.
 /// The addresses of the function whose `RUNTIME_FUNCTION` is at byte `entry`
 /// of `region`'s table.
 fn function_range(region: &ManagedCode, entry: u32) -> Option<Range<u64>> {
     let at = entry as usize;
-    let rva = |field: usize| -> Option<u64> {
-        Some(u64::from(u32::from_le_bytes(region.functions.get(at + field..at + field + 4)?.try_into().ok()?)))
-    };
-    Some(region.base + rva(0)?..region.base + rva(4)?)
+    let (begin, end) = (table_rva(&region.functions, at)?, table_rva(&region.functions, at + 4)?);
+    Some(region.base + u64::from(begin)..region.base + u64::from(end))
 }
 
+/// The little-endian RVA at byte `at` of a function table.
+fn table_rva(table: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(table.get(at..at + 4)?.try_into().ok()?))
+}
+
+/// The byte offset of the 12-byte `RUNTIME_FUNCTION` (begin, end,
+/// unwind-info RVAs) of a table sorted by begin address whose range holds
+/// `rva`.
 fn function_entry(table: &[u8], rva: u32) -> Option<usize> {
-    let rva_at = |i: usize, field: usize| -> Option<u32> {
-        Some(u32::from_le_bytes(table.get(i * 12 + field..i * 12 + field + 4)?.try_into().ok()?))
-    };
+    let rva_at = |i: usize, field: usize| table_rva(table, i * 12 + field);
     let (mut lo, mut hi) = (0usize, table.len() / 12);
     while lo < hi {
         let mid = lo + (hi - lo) / 2;
