@@ -9,14 +9,20 @@
 //! [`walk_own_stack`] runs inside a profiler callback: the runtime holds
 //! whatever locks it holds there, and other threads may be walking too. So:
 //!
-//! 1. It counts itself in ([`IN_FLIGHT`], one atomic add) before it loads the
-//!    published map ([`MAP`], an atomic pointer), and out when it is done; the
-//!    agent frees a replaced map only after seeing the count at zero after
-//!    the swap (both sides `SeqCst`), so the map stays alive for the walk.
-//! 2. It borrows a walk cache from a fixed pool ([`CACHE_POOL`]) by swapping
-//!    a slot's pointer with null, and gives it back by storing it again: a
-//!    try, never a wait. With every cache out (more threads walking at once
-//!    than the pool holds) it builds one on its own stack.
+//! 1. It counts itself in (one atomic add on its thread's [`Stripe`]) before
+//!    it loads the published map ([`MAP`], an atomic pointer), and out when
+//!    it is done; the agent frees a replaced map only after seeing every
+//!    stripe's count at zero after the swap (both sides `SeqCst`), so the
+//!    map stays alive for the walk. One count per thread (nearly: threads
+//!    share a stripe by a hash of their thread pointer), each on a cache
+//!    line of its own, because one count for all made two threads throwing
+//!    at once pass its line between their cores at every event.
+//! 2. It borrows a walker (a walk cache and a frame buffer) from a fixed
+//!    pool ([`CACHE_POOL`]) by swapping a slot's pointer with null, and gives
+//!    it back by storing it again: a try, never a wait. With every walker
+//!    out (more threads walking at once than the pool holds) it makes one.
+//!    The caches remember the paths their walks took
+//!    (`corsnap_unwind::WalkCache::remember_paths`).
 //! 3. It takes its own registers with three instructions (`lea` of `rip`,
 //!    `mov` of `rsp` and `rbp`) inside this function's body: at that
 //!    instruction the function's `.eh_frame` describes exactly that `rsp`,
@@ -43,15 +49,66 @@ use std::time::{Duration, Instant};
 
 use corsnap_unwind::{lookup_address, CodeMap, Memory, Regs, Walk, WalkCache};
 
-use crate::signal::LiveMemory;
+use crate::signal::{LiveMemory, MAX_FRAMES};
 
 /// The map event walks read; replaced whole, freed only when no walk runs.
 static MAP: AtomicPtr<CodeMap> = AtomicPtr::new(null_mut());
-/// Walks running now.
-static IN_FLIGHT: AtomicU64 = AtomicU64::new(0);
-/// Walk caches lent to walks (null: lent out, or none made).
+/// A thread's counts: walks running now, walks made, their frames, and
+/// the frames taken from remembered paths
+/// (`corsnap_unwind::WalkCache::remember_paths`).
+#[repr(align(64))]
+struct Stripe {
+    in_flight: AtomicU64,
+    walks: AtomicU64,
+    frames: AtomicU64,
+    path_frames: AtomicU64,
+}
+
+const STRIPES: usize = 16;
+static STRIPE: [Stripe; STRIPES] = [const {
+    Stripe {
+        in_flight: AtomicU64::new(0),
+        walks: AtomicU64::new(0),
+        frames: AtomicU64::new(0),
+        path_frames: AtomicU64::new(0),
+    }
+}; STRIPES];
+
+/// The calling thread's stripe, by a hash of its thread pointer (threads'
+/// pointers lie a stack apart, often a multiple of the stripe count).
+fn own_stripe() -> &'static Stripe {
+    // SAFETY: pthread_self has no preconditions; it reads the thread pointer.
+    let me = unsafe { libc::pthread_self() } as u64;
+    &STRIPE[((me >> 12).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 60) as usize % STRIPES]
+}
+
+fn none_in_flight() -> bool {
+    STRIPE.iter().all(|s| s.in_flight.load(Ordering::SeqCst) == 0)
+}
+/// Walk caches, with their frame buffers, lent to walks (null: lent out, or
+/// none made).
 const POOL: usize = 32;
-static CACHE_POOL: [AtomicPtr<WalkCache>; POOL] = [const { AtomicPtr::new(null_mut()) }; POOL];
+static CACHE_POOL: [AtomicPtr<Walker>; POOL] = [const { AtomicPtr::new(null_mut()) }; POOL];
+
+/// Words before the frames in the buffer a walk hands its caller, for the
+/// caller's own use (the head of a tally's key).
+pub const HEAD_ROOM: usize = 8;
+
+/// What a walk borrows from the pool: its cache, and the buffer its frames
+/// go to (reused: an 8 KiB array zeroed on the stack at every event was
+/// measured at a few percent of an exception storm's time).
+struct Walker {
+    cache: WalkCache,
+    words: [u64; HEAD_ROOM + MAX_FRAMES],
+}
+
+impl Walker {
+    fn new() -> Box<Walker> {
+        let mut cache = WalkCache::new();
+        cache.remember_paths();
+        Box::new(Walker { cache, words: [0; HEAD_ROOM + MAX_FRAMES] })
+    }
+}
 /// Set by a walk whose stack the map does not list: the agent reads the
 /// process's stacks again and publishes.
 static STACKS_STALE: AtomicBool = AtomicBool::new(false);
@@ -105,25 +162,26 @@ impl OwnStackCopy {
     }
 }
 
-struct InFlight;
+struct InFlight(&'static Stripe);
 
 impl InFlight {
     fn enter() -> InFlight {
-        IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
-        InFlight
+        let stripe = own_stripe();
+        stripe.in_flight.fetch_add(1, Ordering::SeqCst);
+        InFlight(stripe)
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
-/// A cache borrowed from the pool, given back when dropped.
+/// A walker borrowed from the pool, given back when dropped.
 struct Borrowed {
     index: usize,
-    cache: *mut WalkCache,
+    walker: *mut Walker,
 }
 
 impl Borrowed {
@@ -133,31 +191,33 @@ impl Borrowed {
         let here = 0u8;
         let start = (std::ptr::addr_of!(here) as usize >> 12) % POOL;
         (0..POOL).map(|i| (start + i) % POOL).find_map(|index| {
-            let cache = CACHE_POOL[index].swap(null_mut(), Ordering::Acquire);
-            (!cache.is_null()).then_some(Borrowed { index, cache })
+            let walker = CACHE_POOL[index].swap(null_mut(), Ordering::Acquire);
+            (!walker.is_null()).then_some(Borrowed { index, walker })
         })
     }
 }
 
 impl Drop for Borrowed {
     fn drop(&mut self) {
-        CACHE_POOL[self.index].store(self.cache, Ordering::Release);
+        CACHE_POOL[self.index].store(self.walker, Ordering::Release);
     }
 }
 
-/// Walks the calling thread's stack, leaf first, into `out`: raw frames as
-/// the signal engine's, the leading native frames (corsnap's own and the
-/// runtime's, between the callback and the code the event happened in)
-/// left out. `runtime_thread` is the runtime's object for this thread (its
-/// `ThreadID`), for undoing a hijacked return address. When the walk met code
-/// the map does not know, `copy` receives the stack to walk again.
+/// Walks the calling thread's stack, leaf first, and hands the frames to
+/// `use_walk`: raw frames as the signal engine's, the leading native frames
+/// (corsnap's own and the runtime's, between the callback and the code the
+/// event happened in) left out, after `head` words (at most [`HEAD_ROOM`])
+/// the caller may fill. `runtime_thread` is the runtime's object for this
+/// thread (its `ThreadID`), for undoing a hijacked return address. When the
+/// walk met code the map does not know, `use_walk` also gets the stack to
+/// walk again.
 #[inline(never)]
-pub fn walk_own_stack(
+pub fn walk_own_stack<R>(
     runtime_thread: u64,
-    out: &mut [u64],
-    copy: &mut Option<OwnStackCopy>,
-) -> Result<Walk, OwnWalkError> {
-    let _in_flight = InFlight::enter();
+    head: usize,
+    use_walk: impl FnOnce(&mut [u64], &Walk, Option<OwnStackCopy>) -> R,
+) -> Result<R, OwnWalkError> {
+    let in_flight = InFlight::enter();
     // SAFETY: step 1 of the module documentation: counted in before the load,
     // and the agent frees a replaced map only once the count was zero after
     // its swap.
@@ -188,62 +248,80 @@ pub fn walk_own_stack(
     };
     let memory = LiveMemory { stack: stack.clone(), map, runtime_thread };
     let borrowed = Borrowed::take();
-    let mut own_cache;
-    let cache = match &borrowed {
+    let mut own_walker;
+    let walker = match &borrowed {
         // SAFETY: a pointer taken out of the pool is this walk's alone until
-        // `borrowed` puts it back; the pool's caches live until `uninstall`,
+        // `borrowed` puts it back; the pool's walkers live until `uninstall`,
         // which waits for walks to end.
-        Some(b) => unsafe { &mut *b.cache },
+        Some(b) => unsafe { &mut *b.walker },
         None => {
             POOL_EMPTY.fetch_add(1, Ordering::Relaxed);
-            own_cache = WalkCache::new();
-            &mut own_cache
+            own_walker = Walker::new();
+            &mut own_walker
         }
     };
+    let Walker { cache, words } = walker;
+    let out = &mut words[HEAD_ROOM..];
     let mut walk = corsnap_unwind::walk(map, &memory, regs, cache, out);
-    drop(borrowed);
+    in_flight.0.walks.fetch_add(1, Ordering::Relaxed);
+    in_flight.0.frames.fetch_add(walk.len as u64, Ordering::Relaxed);
+    in_flight.0.path_frames.fetch_add(walk.path_frames as u64, Ordering::Relaxed);
     // Frames of native code at the leaf are corsnap's own and the runtime's
-    // plumbing between the event and the code it happened in.
-    let leading = out[..walk.len].iter().take_while(|&&f| map.native_at(lookup_address(f)).is_some()).count();
+    // plumbing between the event and the code it happened in (counted by
+    // the walk when its way in was all table rules).
+    let leading = walk
+        .entry_frames
+        .unwrap_or_else(|| out[..walk.len].iter().take_while(|&&f| map.native_at(lookup_address(f)).is_some()).count());
     out.copy_within(leading..walk.len, 0);
     walk.len -= leading;
     walk.known_frames = walk.known_frames.saturating_sub(leading);
     walk.splice = walk.splice.and_then(|(i, at)| Some((i.checked_sub(leading)?, at)));
+    let mut copy = None;
     if walk.flags & corsnap_unwind::flags::UNKNOWN_CODE != 0 {
         let stack_words = ((stack.end - regs.sp) / 8) as usize;
-        let words = if walk.flags & corsnap_unwind::flags::COMPLETE != 0 {
+        let kept_words = if walk.flags & corsnap_unwind::flags::COMPLETE != 0 {
             (((walk.sp.saturating_sub(regs.sp)) / 8) as usize + COPY_SLACK_WORDS).min(MAX_COPY_WORDS)
         } else {
             LOST_COPY_WORDS
         };
-        let words = words.min(stack_words);
-        let mut kept = Vec::with_capacity(words);
-        for i in 0..words as u64 {
+        let kept_words = kept_words.min(stack_words);
+        let mut kept = Vec::with_capacity(kept_words);
+        for i in 0..kept_words as u64 {
             let address = regs.sp + 8 * i;
             kept.push(match walk.undone_hijack {
                 Some((slot, original)) if slot == address => original,
                 _ => memory.stack_word(address).unwrap_or(0),
             });
         }
-        *copy = Some(OwnStackCopy { regs, words: kept, splice: walk.splice.map(|(i, at)| (i, at.sp)) });
+        copy = Some(OwnStackCopy { regs, words: kept, splice: walk.splice.map(|(i, at)| (i, at.sp)) });
         // The agent learns that code when it takes this event: the sooner,
         // the fewer events need a copy.
         if !CODE_UNKNOWN.swap(true, Ordering::Relaxed) {
             WAKE_WANTED.store(true, Ordering::Relaxed);
         }
     }
-    Ok(walk)
+    let head = head.min(HEAD_ROOM);
+    let used = words.get_mut(HEAD_ROOM - head..HEAD_ROOM + walk.len).unwrap_or_default();
+    let result = use_walk(used, &walk, copy);
+    drop(borrowed);
+    Ok(result)
 }
 
 /// Counters of event walks that could not use their own unwinder.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct EventWalkCounters {
+    pub walks: u64,
+    pub frames: u64,
+    pub path_frames: u64,
     pub unknown_stacks: u64,
     pub pool_empty: u64,
 }
 
 pub fn counters() -> EventWalkCounters {
     EventWalkCounters {
+        walks: STRIPE.iter().map(|s| s.walks.load(Ordering::Relaxed)).sum(),
+        frames: STRIPE.iter().map(|s| s.frames.load(Ordering::Relaxed)).sum(),
+        path_frames: STRIPE.iter().map(|s| s.path_frames.load(Ordering::Relaxed)).sum(),
         unknown_stacks: UNKNOWN_STACKS.load(Ordering::Relaxed),
         pool_empty: POOL_EMPTY.load(Ordering::Relaxed),
     }
@@ -278,7 +356,7 @@ impl EventMap {
             return None;
         }
         for slot in &CACHE_POOL {
-            let cache = Box::into_raw(Box::new(WalkCache::new()));
+            let cache = Box::into_raw(Walker::new());
             let old = slot.swap(cache, Ordering::AcqRel);
             if !old.is_null() {
                 // SAFETY: only install and uninstall put caches in the pool,
@@ -301,7 +379,7 @@ impl EventMap {
 
     /// Frees replaced maps if no walk is running.
     pub fn reclaim(&mut self) {
-        if !self.retired.is_empty() && IN_FLIGHT.load(Ordering::SeqCst) == 0 {
+        if !self.retired.is_empty() && none_in_flight() {
             self.retired.clear();
         }
     }
@@ -317,7 +395,7 @@ impl EventMap {
         self.left = true;
         MAP.store(null_mut(), Ordering::SeqCst);
         let deadline = Instant::now() + timeout;
-        while IN_FLIGHT.load(Ordering::SeqCst) != 0 {
+        while !none_in_flight() {
             if Instant::now() >= deadline {
                 std::mem::forget(self.current.take());
                 std::mem::forget(std::mem::take(&mut self.retired));
@@ -369,34 +447,39 @@ mod tests {
         CodeMap::new(natives, Vec::new(), stacks, 0)
     }
 
+    /// A walk from `depth` calls deeper: its frames (after the leading
+    /// native ones), the walk, and whether it came with a copy.
     #[inline(never)]
-    fn deeper(depth: u32, out: &mut [u64], copy: &mut Option<OwnStackCopy>) -> Result<Walk, OwnWalkError> {
+    fn deeper(depth: u32) -> Result<(Vec<u64>, Walk, bool), OwnWalkError> {
         if depth == 0 {
-            return walk_own_stack(0, out, copy);
+            return walk_own_stack(0, 0, |frames, walk, copy| (frames.to_vec(), *walk, copy.is_some()));
         }
-        let r = deeper(depth - 1, out, copy);
+        let r = deeper(depth - 1);
         std::hint::black_box(depth);
         r
     }
 
     #[test]
     fn a_walk_of_ones_own_stack_needs_a_map_and_then_reaches_the_root() {
-        let mut out = [0u64; 256];
-        let mut copy = None;
-        assert_eq!(walk_own_stack(0, &mut out, &mut copy), Err(OwnWalkError::NoMap));
+        assert_eq!(deeper(0).err(), Some(OwnWalkError::NoMap));
         let mut events = EventMap::install().expect("first install");
         // Without stacks: refused, and the agent is asked to read them.
         events.publish(Arc::new(own_code_map(false)));
-        assert_eq!(walk_own_stack(0, &mut out, &mut copy), Err(OwnWalkError::UnknownStack));
+        assert_eq!(deeper(0).err(), Some(OwnWalkError::UnknownStack));
         assert!(take_stacks_stale());
         events.publish(Arc::new(own_code_map(true)));
-        let walk = deeper(5, &mut out, &mut copy).expect("a walk");
+        let (frames, walk, copied) = deeper(5).expect("a walk");
         // All native: every frame is leading native code, so none is kept;
         // the walk itself went to the root.
-        assert_eq!(walk.len, 0, "{walk:?}");
+        assert!(frames.is_empty(), "{walk:?}");
         assert!(walk.flags & corsnap_unwind::flags::COMPLETE != 0, "{walk:?}");
-        assert!(copy.is_none());
+        assert!(!copied);
+        // The same walk again takes the path the first one left (a pool
+        // walker is borrowed by where the stack is, so it is the same one).
+        let (_, again, _) = deeper(5).expect("a walk");
+        assert_eq!(again.flags, walk.flags);
+        assert!(again.path_frames > 0, "{again:?}");
         assert!(events.uninstall(Duration::from_secs(1)));
-        assert_eq!(walk_own_stack(0, &mut out, &mut copy), Err(OwnWalkError::NoMap));
+        assert_eq!(deeper(0).err(), Some(OwnWalkError::NoMap));
     }
 }

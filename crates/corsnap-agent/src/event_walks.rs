@@ -53,6 +53,8 @@ pub struct EventWalkStats {
     pub incomplete: u64,
     /// Maps published.
     pub published: u64,
+    /// Bodies learned when the runtime compiled them.
+    pub learned_at_compile: u64,
 }
 
 pub struct EventWalker {
@@ -132,10 +134,12 @@ impl EventWalker {
         Ok(walker)
     }
 
-    /// Once a round, before events are taken: the loader's modules and the
-    /// stacks (when a thread was announced or a walk missed its stack).
-    pub fn refresh(&mut self, threads_announced: bool) {
+    /// Once a round, before events are taken: the loader's modules, the
+    /// stacks (when a thread was announced or a walk missed its stack), and
+    /// the code of the functions compiled since the last round.
+    pub fn refresh(&mut self, threads_announced: bool, compiled: &[FunctionID]) {
         self.refresh_modules();
+        self.learn_compiled(compiled);
         if corsnap_abi::event_walk::take_stacks_stale() || threads_announced {
             self.refresh_stacks();
         }
@@ -144,6 +148,23 @@ impl EventWalker {
         }
         if let Some(m) = self.events_map.as_mut() {
             m.reclaim();
+        }
+    }
+
+    /// Learns the bodies of `compiled` (functions the runtime just
+    /// compiled) before an event's walk meets them unknown.
+    fn learn_compiled(&mut self, compiled: &[FunctionID]) {
+        for &function in compiled {
+            let Ok(starts) = self.info.get_native_code_start_addresses(function) else { continue };
+            for start in starts {
+                if start == 0 || self.map.is_code(start) || self.managed.iter().any(|m| m.code.contains(&start)) {
+                    continue;
+                }
+                if let Learned::Code(code) = self.learner.learn(start) {
+                    self.add_managed(code);
+                    self.stats.learned_at_compile += 1;
+                }
+            }
         }
     }
 

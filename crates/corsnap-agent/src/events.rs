@@ -35,8 +35,8 @@ const TRUNCATED_BIT: u64 = 1;
 /// In a tally key's last head word: the frames are raw addresses from the
 /// native walker (its walk flags from bit 8 on), not `FunctionID`s.
 const RAW_BIT: u64 = 2;
-/// Frames a native walk keeps (the signal engine's limit).
-const NATIVE_FRAMES: usize = corsnap_abi::signal::MAX_FRAMES;
+// The native walker hands its frames after room for the key's head.
+const _: () = assert!(KEY_HEAD <= corsnap_abi::event_walk::HEAD_ROOM);
 /// Tally shards, picked by thread, so threads throwing at once rarely meet
 /// on a lock.
 const TALLY_SHARDS: usize = 8;
@@ -144,14 +144,13 @@ pub struct Captured {
 /// unwinder when `native` and it can serve, else `DoStackSnapshot`.
 pub fn capture_own_stack(info: &CorProfilerInfo, native: bool, thread: ThreadID) -> Captured {
     if native {
-        let mut out = [0u64; NATIVE_FRAMES];
-        let mut copy = None;
-        if let Ok(walk) = walk_own_stack(thread as u64, &mut out, &mut copy) {
-            return Captured {
-                frames: out[..walk.len].to_vec(),
-                truncated: walk.flags & corsnap_unwind::flags::TRUNCATED != 0,
-                raw: Some(RawWalk { flags: walk.flags, copy }),
-            };
+        let walked = walk_own_stack(thread as u64, 0, |frames, walk, copy| Captured {
+            frames: frames.to_vec(),
+            truncated: walk.flags & corsnap_unwind::flags::TRUNCATED != 0,
+            raw: Some(RawWalk { flags: walk.flags, copy }),
+        });
+        if let Ok(captured) = walked {
+            return captured;
         }
     }
     let (frames, truncated) = own_stack(info);
@@ -239,9 +238,7 @@ pub struct EventQueue {
 /// floor would otherwise walk unknown code, and copy stacks, for ever.
 pub fn walk_own_stack_only(queue: &EventQueue, info: &CorProfilerInfo, native: bool, thread: ThreadID) {
     if native {
-        let mut out = [0u64; NATIVE_FRAMES];
-        let mut copy = None;
-        if let Ok(walk) = walk_own_stack(thread as u64, &mut out, &mut copy) {
+        let walked = walk_own_stack(thread as u64, 0, |frames, walk, copy| {
             if copy.is_some() {
                 queue.push(PendingEvent {
                     kind: EventKind::Exceptions,
@@ -249,13 +246,15 @@ pub fn walk_own_stack_only(queue: &EventQueue, info: &CorProfilerInfo, native: b
                     thread,
                     os_tid: 0,
                     subject: Subject::Text(String::new()),
-                    frames: out[..walk.len].to_vec(),
+                    frames: frames.to_vec(),
                     truncated: false,
                     weight: 0,
                     raw: Some(RawWalk { flags: walk.flags, copy }),
                     referee: None,
                 });
             }
+        });
+        if walked.is_ok() {
             return;
         }
     }
@@ -360,32 +359,31 @@ impl EventQueue {
         class: ClassID,
         now_ns: impl Fn() -> u64,
     ) -> bool {
-        let mut words = [0u64; KEY_HEAD + NATIVE_FRAMES];
-        let mut copy = None;
-        let Ok(walk) = walk_own_stack(thread as u64, &mut words[KEY_HEAD..], &mut copy) else { return false };
-        let truncated = walk.flags & corsnap_unwind::flags::TRUNCATED != 0;
-        if copy.is_some() {
-            // Met code not known yet: its frames past that code are guesses
-            // until the sampler thread has learned it and walked the copy
-            // again, so this one goes by itself, counted once.
-            self.push(PendingEvent {
-                kind,
-                time_ns: now_ns(),
-                thread,
-                os_tid,
-                subject: Subject::Class(class),
-                frames: words[KEY_HEAD..KEY_HEAD + walk.len].to_vec(),
-                truncated,
-                weight: 1,
-                raw: Some(RawWalk { flags: walk.flags, copy }),
-                referee: None,
-            });
-            return true;
-        }
-        let form = (truncated as u64 * TRUNCATED_BIT) | RAW_BIT | (u64::from(walk.flags) << 8);
-        words[..KEY_HEAD].copy_from_slice(&[kind as u64, thread as u64, os_tid as u64, class as u64, form]);
-        self.tally(kind, now_ns, thread, &words[..KEY_HEAD + walk.len]);
-        true
+        walk_own_stack(thread as u64, KEY_HEAD, |words, walk, copy| {
+            let truncated = walk.flags & corsnap_unwind::flags::TRUNCATED != 0;
+            if copy.is_some() {
+                // Met code not known yet: its frames past that code are
+                // guesses until the sampler thread has learned it and walked
+                // the copy again, so this one goes by itself, counted once.
+                self.push(PendingEvent {
+                    kind,
+                    time_ns: now_ns(),
+                    thread,
+                    os_tid,
+                    subject: Subject::Class(class),
+                    frames: words[KEY_HEAD..].to_vec(),
+                    truncated,
+                    weight: 1,
+                    raw: Some(RawWalk { flags: walk.flags, copy }),
+                    referee: None,
+                });
+                return;
+            }
+            let form = (truncated as u64 * TRUNCATED_BIT) | RAW_BIT | (u64::from(walk.flags) << 8);
+            words[..KEY_HEAD].copy_from_slice(&[kind as u64, thread as u64, os_tid as u64, class as u64, form]);
+            self.tally(kind, now_ns, thread, words);
+        })
+        .is_ok()
     }
 
     /// Counts one more occurrence of `key` (a [`KEY_HEAD`] head, then the

@@ -498,7 +498,9 @@ impl SamplerLoop {
     fn publish_events(&mut self) {
         if let Some(walker) = self.event_walker.as_mut() {
             let announced = self.shared.threads_changed_for_events.swap(false, std::sync::atomic::Ordering::Relaxed);
-            walker.refresh(announced);
+            let compiled =
+                std::mem::take(&mut *self.shared.jitted_for_events.lock().unwrap_or_else(|p| p.into_inner()));
+            walker.refresh(announced, &compiled);
         }
         let mut events = self.shared.events.take();
         let gcs = self.shared.events.take_gcs();

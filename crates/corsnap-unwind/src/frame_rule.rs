@@ -145,6 +145,24 @@ impl FrameRule {
         })
     }
 
+    /// Whether the rule was derived and checked (else it unwinds nothing).
+    pub(crate) fn is_known(&self) -> bool {
+        self.state == RuleState::Known
+    }
+
+    /// Whether the frame is found from the frame pointer (else from the
+    /// stack pointer).
+    pub(crate) fn bp_based(&self) -> bool {
+        self.from_bp
+    }
+
+    /// Where the caller's frame pointer is read from for a frame at `regs`;
+    /// `None` when the frame leaves it as it is.
+    pub(crate) fn bp_slot(&self, regs: Regs) -> Option<u64> {
+        let base = if self.from_bp { regs.bp } else { regs.sp };
+        self.restores_bp.then(|| base.checked_add_signed(i64::from(self.bp_at))).flatten()
+    }
+
     /// The caller's registers: two stack reads at most.
     pub(crate) fn apply<M: Memory>(&self, mem: &M, regs: Regs) -> Option<Regs> {
         if self.state != RuleState::Known {

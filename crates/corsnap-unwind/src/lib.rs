@@ -34,6 +34,7 @@ mod leaf_functions;
 mod native_table;
 pub mod process;
 mod thread_start;
+mod walk_paths;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -44,8 +45,9 @@ use pe_unwind_info::x86_64::{FunctionTableEntries, Register, UnwindState, XmmReg
 
 use frame_rule::FrameRule;
 use leaf_functions::LeafFunctions;
-use native_table::NativeTable;
+use native_table::{CfiRule, NativeTable};
 use thread_start::{StartTracker, ThreadStart};
+use walk_paths::{Tracked, WalkPaths};
 
 pub use hijack::{parse_hijack_stub, HijackStub, HIJACK_STUB_START};
 
@@ -153,6 +155,8 @@ pub struct WalkCache {
     start: ThreadStart,
     /// The managed functions met lately at the leaf (see [`leaf_functions`]).
     leaves: LeafFunctions,
+    /// The paths of walks of one's own stack (see [`walk_paths`]).
+    paths: WalkPaths,
 }
 
 /// A managed frame's lookup address in one map, and where its region and
@@ -181,7 +185,17 @@ impl WalkCache {
             managed: Box::new([ManagedHit::default(); MANAGED_HITS]),
             start: ThreadStart::new(),
             leaves: LeafFunctions::new(),
+            paths: WalkPaths::new(),
         }
+    }
+
+    /// Makes walks with this cache remember the paths they take from their
+    /// first frame, and take them again as far as the stack still holds
+    /// them when a later walk starts at the same address (see
+    /// [`walk_paths`]): for walks of the walker's own stack, which start at
+    /// one place in its own code.
+    pub fn remember_paths(&mut self) {
+        self.paths.enable();
     }
 
     fn managed_hit(&self, generation: u64, address: u64) -> Option<ManagedHit> {
@@ -489,6 +503,12 @@ pub struct Walk {
     /// frame again (the same address and stack pointer) can take the rest
     /// of this walk as it is.
     pub splice: Option<(usize, Regs)>,
+    /// How many frames from the leaf are native code before the first
+    /// frame that is not (`None`: every frame is).
+    pub entry_frames: Option<usize>,
+    /// How many frames, from the leaf, came from a remembered path (see
+    /// [`WalkCache::remember_paths`]).
+    pub path_frames: usize,
 }
 
 /// One unwinding step's outcome.
@@ -525,7 +545,6 @@ pub fn walk_until<M: Memory>(
     out: &mut [u64],
     stop: Option<(u64, u64)>,
 ) -> Walk {
-    prefetch_frame_chain(mem, cache, regs);
     let mut len = 0;
     let mut flags = 0;
     let mut regs = regs;
@@ -537,6 +556,30 @@ pub fn walk_until<M: Memory>(
     let mut splice = None;
     let mut start = StartTracker::new();
     let mut remembered_start = false;
+    let mut entry_frames = None;
+    // As far as the path a walk from the same place took still holds (see
+    // [`walk_paths`]); only walks of one's own stack start there twice.
+    let mut path_frames = 0;
+    if stop.is_none() {
+        if let Some(taken) = cache.paths.begin(map.generation, regs, mem, out) {
+            for j in 0..taken.frames {
+                match cache.paths.taken_frame(j) {
+                    Some((true, sp)) => start.native(sp),
+                    _ => {
+                        start.not_native(j);
+                        entry_frames.get_or_insert(j);
+                    }
+                }
+            }
+            len = taken.frames;
+            path_frames = len;
+            regs = taken.regs;
+            exact = false;
+        }
+    } else {
+        cache.paths.stop();
+    }
+    prefetch_frame_chain(mem, cache, regs);
     loop {
         if regs.ip == 0 {
             flags |= flags::COMPLETE;
@@ -577,6 +620,8 @@ pub fn walk_until<M: Memory>(
             // trampoline: the saved context (`ucontext_t`) starts right where
             // the return address was popped from.
             start.not_native(len - 1);
+            entry_frames.get_or_insert(len - 1);
+            cache.paths.stop();
             match signal_context(mem, regs.sp) {
                 Some(next) => {
                     flags |= flags::SIGNAL_FRAME;
@@ -611,7 +656,12 @@ pub fn walk_until<M: Memory>(
             None => map.managed_index_at(lookup),
         };
         let region = region_index.and_then(|i| map.managed.get(i));
+        // The rule this frame was stepped by, if a remembered path can hold
+        // it (see [`walk_paths`]).
+        let mut tracked = None;
+        let hijacks_before = flags & flags::HIJACKED;
         let step = if let Some(next) = by_rule {
+            tracked = hit.map(|h| Tracked::Managed(h.rule));
             managed_caller(map, mem, cache, regs, next, &mut flags, &mut undone_hijack)
         } else if let Some(region) = region.filter(|r| r.frameless) {
             stub_step(map, mem, regs, exact, region)
@@ -630,6 +680,9 @@ pub fn walk_until<M: Memory>(
                     cache.remember_managed(hit);
                 }
             }
+            if !exact && rule.is_known() {
+                tracked = Some(Tracked::Managed(rule));
+            }
             match step {
                 Some(Step::Next(next)) => managed_caller(map, mem, cache, regs, next, &mut flags, &mut undone_hijack),
                 Some(step) => step,
@@ -641,7 +694,9 @@ pub fn walk_until<M: Memory>(
         } else if native_hit {
             native_frame = true;
             let module = hit.and_then(|h| map.natives.get(h.entry as usize)).filter(|m| m.code.contains(&lookup));
-            native_frame_step(map, module, mem, regs, exact, cache)
+            let (step, rule) = native_frame_step(map, module, mem, regs, exact, cache);
+            tracked = rule.map(Tracked::Native);
+            step
         } else if let Some(stub) = map.hijack_stub.as_ref().filter(|s| s.range.contains(&lookup)) {
             hijack_stub_step(map, mem, regs, exact, stub)
         } else if let Some(index) = map.native_index_at(lookup) {
@@ -656,7 +711,9 @@ pub fn walk_until<M: Memory>(
             };
             cache.remember_managed(hit);
             native_frame = true;
-            native_frame_step(map, module, mem, regs, exact, cache)
+            let (step, rule) = native_frame_step(map, module, mem, regs, exact, cache);
+            tracked = rule.map(Tracked::Native);
+            step
         } else {
             unknown = true;
             unknown_step(map, mem, regs, exact)
@@ -670,9 +727,18 @@ pub fn walk_until<M: Memory>(
         } else {
             start.not_native(len - 1);
         }
+        if !native_frame {
+            entry_frames.get_or_insert(len - 1);
+        }
+        if flags & flags::HIJACKED != hijacks_before {
+            // Its caller's address came from the runtime's thread object,
+            // not from the stack: no path can hold that step.
+            tracked = None;
+        }
         match step {
             // The stack grows down: every caller's frame is above its callee's.
             Step::Next(next) if next.sp > regs.sp => {
+                cache.paths.step(len - 1, regs, next, tracked, native_frame);
                 if unknown {
                     splice = Some((len, next));
                 }
@@ -692,8 +758,20 @@ pub fn walk_until<M: Memory>(
     if stop.is_none() && !remembered_start {
         start.finish(&mut cache.start, map.generation, &out[..len], flags);
     }
+    if stop.is_none() {
+        cache.paths.finish(map.generation, &out[..len]);
+    }
     let splice = splice.filter(|&(i, _)| i < len);
-    Walk { len, flags, sp: regs.sp, undone_hijack, known_frames: known_frames.min(len), splice }
+    Walk {
+        len,
+        flags,
+        sp: regs.sp,
+        undone_hijack,
+        known_frames: known_frames.min(len),
+        splice,
+        entry_frames,
+        path_frames,
+    }
 }
 
 /// How many frames [`prefetch_frame_chain`] looks ahead.
@@ -767,12 +845,12 @@ fn native_frame_step<M: Memory>(
     regs: Regs,
     exact: bool,
     cache: &mut WalkCache,
-) -> Step {
+) -> (Step, Option<CfiRule>) {
     let lookup = if exact { regs.ip } else { regs.ip.wrapping_sub(1) };
     if let Some(rule) = module.and_then(|m| m.table.as_ref()).and_then(|t| t.rule_at(lookup)) {
-        return rule.caller(mem, regs).map_or(Step::Lost, Step::Next);
+        return (rule.caller(mem, regs).map_or(Step::Lost, Step::Next), Some(rule));
     }
-    native_step(map, mem, regs, exact, cache)
+    (native_step(map, mem, regs, exact, cache), None)
 }
 
 /// For tests: a native frame at `regs` (a leaf when `exact`, else a return

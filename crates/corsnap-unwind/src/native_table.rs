@@ -62,6 +62,24 @@ impl CfiRule {
         Some(CfiRule { cfa_from_bp, cfa_offset: i32::try_from(cfa_offset).ok()?, bp_at })
     }
 
+    /// Where the caller's frame pointer is read from, for a frame whose
+    /// canonical frame address (its caller's stack pointer) is `cfa`; `None`
+    /// when the frame leaves it as it is.
+    pub(crate) fn bp_slot(&self, cfa: u64) -> Option<u64> {
+        cfa.checked_add_signed(i64::from(self.bp_at?))
+    }
+
+    /// Whether the frame is found from the frame pointer (else from the
+    /// stack pointer).
+    pub(crate) fn bp_based(&self) -> bool {
+        self.cfa_from_bp
+    }
+
+    #[cfg(test)]
+    pub(crate) fn for_tests(cfa_from_bp: bool, cfa_offset: i32, bp_at: Option<i32>) -> CfiRule {
+        CfiRule { cfa_from_bp, cfa_offset, bp_at }
+    }
+
     /// The caller of a frame at `regs` under this rule.
     pub(crate) fn caller<M: Memory>(&self, mem: &M, regs: Regs) -> Option<Regs> {
         let base = if self.cfa_from_bp { regs.bp } else { regs.sp };
