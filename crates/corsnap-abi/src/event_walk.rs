@@ -53,26 +53,14 @@ use crate::signal::{LiveMemory, MAX_FRAMES};
 
 /// The map event walks read; replaced whole, freed only when no walk runs.
 static MAP: AtomicPtr<CodeMap> = AtomicPtr::new(null_mut());
-/// A thread's counts: walks running now, walks made, their frames, and
-/// the frames taken from remembered paths
-/// (`corsnap_unwind::WalkCache::remember_paths`).
+/// A thread's count of its walks running now.
 #[repr(align(64))]
 struct Stripe {
     in_flight: AtomicU64,
-    walks: AtomicU64,
-    frames: AtomicU64,
-    path_frames: AtomicU64,
 }
 
 const STRIPES: usize = 16;
-static STRIPE: [Stripe; STRIPES] = [const {
-    Stripe {
-        in_flight: AtomicU64::new(0),
-        walks: AtomicU64::new(0),
-        frames: AtomicU64::new(0),
-        path_frames: AtomicU64::new(0),
-    }
-}; STRIPES];
+static STRIPE: [Stripe; STRIPES] = [const { Stripe { in_flight: AtomicU64::new(0) } }; STRIPES];
 
 /// The calling thread's stripe, by a hash of its thread pointer (threads'
 /// pointers lie a stack apart, often a multiple of the stripe count).
@@ -100,15 +88,46 @@ pub const HEAD_ROOM: usize = 8;
 struct Walker {
     cache: WalkCache,
     words: [u64; HEAD_ROOM + MAX_FRAMES],
+    /// The stack of its last walk, and the map generation it was found in:
+    /// a thread mostly borrows the same walker, and the search of the map's
+    /// stacks was cold at every event.
+    stack: Option<(u64, std::ops::Range<u64>)>,
+    /// Its walks, their frames, and the frames taken from remembered paths
+    /// (plain counts: the walker is one walk's alone; summed into
+    /// [`TOTALS`] when the pool is emptied).
+    counts: [u64; 3],
 }
 
 impl Walker {
     fn new() -> Box<Walker> {
         let mut cache = WalkCache::new();
         cache.remember_paths();
-        Box::new(Walker { cache, words: [0; HEAD_ROOM + MAX_FRAMES] })
+        Box::new(Walker { cache, words: [0; HEAD_ROOM + MAX_FRAMES], stack: None, counts: [0; 3] })
+    }
+
+    /// The stack mapping holding `sp`, from the last walk's or the map's.
+    fn stack_of(&mut self, map: &CodeMap, sp: u64) -> Option<std::ops::Range<u64>> {
+        if let Some((generation, stack)) = &self.stack {
+            if *generation == map.generation() && stack.contains(&sp) {
+                return Some(stack.clone());
+            }
+        }
+        let stack = map.stack_containing(sp)?;
+        self.stack = Some((map.generation(), stack.clone()));
+        Some(stack)
+    }
+
+    /// Adds its counts to [`TOTALS`].
+    fn count_out(&mut self) {
+        for (total, count) in TOTALS.iter().zip(std::mem::take(&mut self.counts)) {
+            total.fetch_add(count, Ordering::Relaxed);
+        }
     }
 }
+
+/// Walks, frames and frames from remembered paths of walkers no longer in
+/// the pool.
+static TOTALS: [AtomicU64; 3] = [const { AtomicU64::new(0) }; 3];
 /// Set by a walk whose stack the map does not list: the agent reads the
 /// process's stacks again and publishes.
 static STACKS_STALE: AtomicBool = AtomicBool::new(false);
@@ -239,14 +258,6 @@ pub fn walk_own_stack<R>(
         );
     }
     let regs = Regs { ip, sp, bp };
-    let Some(stack) = map.stack_containing(regs.sp) else {
-        UNKNOWN_STACKS.fetch_add(1, Ordering::Relaxed);
-        if !STACKS_STALE.swap(true, Ordering::Relaxed) {
-            WAKE_WANTED.store(true, Ordering::Relaxed);
-        }
-        return Err(OwnWalkError::UnknownStack);
-    };
-    let memory = LiveMemory { stack: stack.clone(), map, runtime_thread };
     let borrowed = Borrowed::take();
     let mut own_walker;
     let walker = match &borrowed {
@@ -260,12 +271,20 @@ pub fn walk_own_stack<R>(
             &mut own_walker
         }
     };
-    let Walker { cache, words } = walker;
+    let Some(stack) = walker.stack_of(map, regs.sp) else {
+        UNKNOWN_STACKS.fetch_add(1, Ordering::Relaxed);
+        if !STACKS_STALE.swap(true, Ordering::Relaxed) {
+            WAKE_WANTED.store(true, Ordering::Relaxed);
+        }
+        return Err(OwnWalkError::UnknownStack);
+    };
+    let memory = LiveMemory { stack: stack.clone(), map, runtime_thread };
+    let Walker { cache, words, counts, .. } = walker;
     let out = &mut words[HEAD_ROOM..];
     let mut walk = corsnap_unwind::walk(map, &memory, regs, cache, out);
-    in_flight.0.walks.fetch_add(1, Ordering::Relaxed);
-    in_flight.0.frames.fetch_add(walk.len as u64, Ordering::Relaxed);
-    in_flight.0.path_frames.fetch_add(walk.path_frames as u64, Ordering::Relaxed);
+    for (count, add) in counts.iter_mut().zip([1, walk.len, walk.path_frames]) {
+        *count += add as u64;
+    }
     // Frames of native code at the leaf are corsnap's own and the runtime's
     // plumbing between the event and the code it happened in (counted by
     // the walk when its way in was all table rules).
@@ -303,7 +322,11 @@ pub fn walk_own_stack<R>(
     let head = head.min(HEAD_ROOM);
     let used = words.get_mut(HEAD_ROOM - head..HEAD_ROOM + walk.len).unwrap_or_default();
     let result = use_walk(used, &walk, copy);
+    if borrowed.is_none() {
+        walker.count_out();
+    }
     drop(borrowed);
+    drop(in_flight);
     Ok(result)
 }
 
@@ -319,9 +342,9 @@ pub struct EventWalkCounters {
 
 pub fn counters() -> EventWalkCounters {
     EventWalkCounters {
-        walks: STRIPE.iter().map(|s| s.walks.load(Ordering::Relaxed)).sum(),
-        frames: STRIPE.iter().map(|s| s.frames.load(Ordering::Relaxed)).sum(),
-        path_frames: STRIPE.iter().map(|s| s.path_frames.load(Ordering::Relaxed)).sum(),
+        walks: TOTALS[0].load(Ordering::Relaxed),
+        frames: TOTALS[1].load(Ordering::Relaxed),
+        path_frames: TOTALS[2].load(Ordering::Relaxed),
         unknown_stacks: UNKNOWN_STACKS.load(Ordering::Relaxed),
         pool_empty: POOL_EMPTY.load(Ordering::Relaxed),
     }
@@ -408,7 +431,8 @@ impl EventMap {
             if !cache.is_null() {
                 // SAFETY: made by Box::into_raw in install; no walk holds it
                 // (none is running, and none can start without a map).
-                drop(unsafe { Box::from_raw(cache) });
+                let mut walker = unsafe { Box::from_raw(cache) };
+                walker.count_out();
             }
         }
         self.current = None;
@@ -477,7 +501,7 @@ mod tests {
         // The same walk again takes the path the first one left (a pool
         // walker is borrowed by where the stack is, so it is the same one).
         let (_, again, _) = deeper(5).expect("a walk");
-        assert_eq!(again.flags, walk.flags);
+        assert_eq!((again.flags, again.sp), (walk.flags, walk.sp), "the same root, reached the same way");
         assert!(again.path_frames > 0, "{again:?}");
         assert!(events.uninstall(Duration::from_secs(1)));
         assert_eq!(deeper(0).err(), Some(OwnWalkError::NoMap));

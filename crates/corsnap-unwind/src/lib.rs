@@ -30,10 +30,10 @@
 
 mod frame_rule;
 mod hijack;
+mod last_walk;
 mod leaf_functions;
 mod native_table;
 pub mod process;
-mod thread_start;
 mod walk_paths;
 
 use std::ops::Range;
@@ -44,9 +44,9 @@ use framehop::{ExplicitModuleSectionInfo, FrameAddress, Module, MustNotAllocateD
 use pe_unwind_info::x86_64::{FunctionTableEntries, Register, UnwindState, XmmRegister};
 
 use frame_rule::FrameRule;
+use last_walk::{LastWalk, WalkTracker};
 use leaf_functions::LeafFunctions;
 use native_table::{CfiRule, NativeTable};
-use thread_start::{StartTracker, ThreadStart};
 use walk_paths::{Tracked, WalkPaths};
 
 pub use hijack::{parse_hijack_stub, HijackStub, HIJACK_STUB_START};
@@ -150,9 +150,9 @@ pub struct WalkCache {
     /// again skips the search of the managed regions and of the modules
     /// before framehop's own ([`NATIVE_REGION`]).
     managed: Box<[ManagedHit; MANAGED_HITS]>,
-    /// The native frames that started the thread, from its last complete
-    /// walk (see [`thread_start`]).
-    start: ThreadStart,
+    /// The deepest frames of the thread's last complete walk (see
+    /// [`last_walk`]).
+    last: LastWalk,
     /// The managed functions met lately at the leaf (see [`leaf_functions`]).
     leaves: LeafFunctions,
     /// The paths of walks of one's own stack (see [`walk_paths`]).
@@ -183,7 +183,7 @@ impl WalkCache {
         WalkCache {
             rules: CacheX86_64::new_in(),
             managed: Box::new([ManagedHit::default(); MANAGED_HITS]),
-            start: ThreadStart::new(),
+            last: LastWalk::new(),
             leaves: LeafFunctions::new(),
             paths: WalkPaths::new(),
         }
@@ -475,6 +475,12 @@ impl CodeMap {
     }
 
     /// The anonymous mapping containing `sp`: the bounds of a thread's stack.
+    /// The map's generation: no two maps share one, so what was found in
+    /// a map can be kept beside its generation.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
     pub fn stack_containing(&self, sp: u64) -> Option<Range<u64>> {
         let i = self.stacks.partition_point(|r| r.start <= sp);
         let r = self.stacks.get(i.checked_sub(1)?)?;
@@ -554,8 +560,9 @@ pub fn walk_until<M: Memory>(
     let mut undone_hijack = None;
     let mut known_frames = usize::MAX;
     let mut splice = None;
-    let mut start = StartTracker::new();
-    let mut remembered_start = false;
+    let mut tracker = WalkTracker::new();
+    let mut cursor = 0;
+    let mut remembered_rest = false;
     let mut entry_frames = None;
     // As far as the path a walk from the same place took still holds (see
     // [`walk_paths`]); only walks of one's own stack start there twice.
@@ -563,12 +570,10 @@ pub fn walk_until<M: Memory>(
     if stop.is_none() {
         if let Some(taken) = cache.paths.begin(map.generation, regs, mem, out) {
             for j in 0..taken.frames {
-                match cache.paths.taken_frame(j) {
-                    Some((true, sp)) => start.native(sp),
-                    _ => {
-                        start.not_native(j);
-                        entry_frames.get_or_insert(j);
-                    }
+                let (native, sp) = cache.paths.taken_frame(j).unwrap_or((false, 0));
+                tracker.frame(j, sp, native, j == 0);
+                if !native {
+                    entry_frames.get_or_insert(j);
                 }
             }
             len = taken.frames;
@@ -589,17 +594,17 @@ pub fn walk_until<M: Memory>(
             flags |= flags::REACHED;
             break;
         }
-        // The thread's start, as the last complete walk found it, when the
-        // stack still holds it (see [`thread_start`]). Not in a walk that is
-        // to stop at a given frame: that frame may lie inside it.
+        // The rest of the stack, as the last complete walk found it, when
+        // the stack still holds it (see [`last_walk`]). Not in a walk that
+        // is to stop at a given frame: that frame may lie inside it.
         if stop.is_none() && !exact {
-            if let Some((start, root_sp)) = cache.start.frames_from(map.generation, regs, mem) {
-                if let Some(room) = out.get_mut(len..len + start.len()) {
-                    room.copy_from_slice(start);
-                    len += start.len();
+            if let Some((rest, root_sp)) = cache.last.frames_from(map.generation, regs, &mut cursor, mem) {
+                if let Some(room) = out.get_mut(len..len + rest.len()) {
+                    room.copy_from_slice(rest);
+                    len += rest.len();
                     regs.sp = root_sp;
                     flags |= flags::COMPLETE;
-                    remembered_start = true;
+                    remembered_rest = true;
                     break;
                 }
             }
@@ -611,7 +616,7 @@ pub fn walk_until<M: Memory>(
         *slot = if exact { regs.ip | EXACT_IP } else { regs.ip };
         len += 1;
         if !map.roots.is_empty() && map.roots.iter().any(|r| r.contains(&regs.ip)) {
-            start.native(regs.sp);
+            tracker.frame(len - 1, regs.sp, true, exact);
             flags |= flags::COMPLETE;
             break;
         }
@@ -619,7 +624,7 @@ pub fn walk_until<M: Memory>(
             // The handler's frame returned into the kernel's signal
             // trampoline: the saved context (`ucontext_t`) starts right where
             // the return address was popped from.
-            start.not_native(len - 1);
+            tracker.frame(len - 1, regs.sp, false, false);
             entry_frames.get_or_insert(len - 1);
             cache.paths.stop();
             match signal_context(mem, regs.sp) {
@@ -668,6 +673,7 @@ pub fn walk_until<M: Memory>(
         } else if let Some(region) = region {
             let mut entry = hit.map(|h| h.entry);
             let mut rule = hit.map_or(FrameRule::default(), |h| h.rule);
+            let untried = rule.is_untried();
             let step = managed_step(region, mem, regs, exact, &mut entry, &mut rule);
             if let (Some(entry), Some(i)) = (entry, region_index) {
                 if exact {
@@ -680,7 +686,9 @@ pub fn walk_until<M: Memory>(
                     cache.remember_managed(hit);
                 }
             }
-            if !exact && rule.is_known() {
+            // A rule derived just now gave this very step (else it is not
+            // kept); one known before, that did not serve here, is not it.
+            if !exact && untried && rule.is_known() {
                 tracked = Some(Tracked::Managed(rule));
             }
             match step {
@@ -722,11 +730,7 @@ pub fn walk_until<M: Memory>(
             flags |= flags::UNKNOWN_CODE;
             known_frames = known_frames.min(len);
         }
-        if native_frame {
-            start.native(regs.sp);
-        } else {
-            start.not_native(len - 1);
-        }
+        tracker.frame(len - 1, regs.sp, native_frame, exact);
         if !native_frame {
             entry_frames.get_or_insert(len - 1);
         }
@@ -755,8 +759,8 @@ pub fn walk_until<M: Memory>(
             }
         }
     }
-    if stop.is_none() && !remembered_start {
-        start.finish(&mut cache.start, map.generation, &out[..len], flags);
+    if stop.is_none() && !remembered_rest {
+        tracker.finish(&mut cache.last, map.generation, &out[..len], flags);
     }
     if stop.is_none() {
         cache.paths.finish(map.generation, &out[..len]);
@@ -791,7 +795,7 @@ fn prefetch_frame_chain<M: Memory>(mem: &M, cache: &WalkCache, regs: Regs) {
     // The chain's links are read one after the other, each a miss of its
     // own: none past where the walk will take the thread's remembered
     // start whole.
-    let end = cache.start.first_sp().unwrap_or(u64::MAX);
+    let end = cache.last.start_sp().unwrap_or(u64::MAX);
     let (mut bp, mut below) = (regs.bp, regs.sp);
     for _ in 0..PREFETCH_FRAMES {
         if bp < below || bp >= end {
