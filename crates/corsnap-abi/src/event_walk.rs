@@ -92,17 +92,17 @@ struct Walker {
     /// a thread mostly borrows the same walker, and the search of the map's
     /// stacks was cold at every event.
     stack: Option<(u64, std::ops::Range<u64>)>,
-    /// Its walks, their frames, and the frames taken from remembered paths
-    /// (plain counts: the walker is one walk's alone; summed into
-    /// [`TOTALS`] when the pool is emptied).
-    counts: [u64; 3],
+    /// Its walks, their frames, the frames taken from remembered paths and
+    /// from the last walk's deep end (plain counts: the walker is one
+    /// walk's alone; summed into [`TOTALS`] when the pool is emptied).
+    counts: [u64; 4],
 }
 
 impl Walker {
     fn new() -> Box<Walker> {
         let mut cache = WalkCache::new();
         cache.remember_paths();
-        Box::new(Walker { cache, words: [0; HEAD_ROOM + MAX_FRAMES], stack: None, counts: [0; 3] })
+        Box::new(Walker { cache, words: [0; HEAD_ROOM + MAX_FRAMES], stack: None, counts: [0; 4] })
     }
 
     /// The stack mapping holding `sp`, from the last walk's or the map's.
@@ -127,7 +127,7 @@ impl Walker {
 
 /// Walks, frames and frames from remembered paths of walkers no longer in
 /// the pool.
-static TOTALS: [AtomicU64; 3] = [const { AtomicU64::new(0) }; 3];
+static TOTALS: [AtomicU64; 4] = [const { AtomicU64::new(0) }; 4];
 /// Set by a walk whose stack the map does not list: the agent reads the
 /// process's stacks again and publishes.
 static STACKS_STALE: AtomicBool = AtomicBool::new(false);
@@ -282,7 +282,7 @@ pub fn walk_own_stack<R>(
     let Walker { cache, words, counts, .. } = walker;
     let out = &mut words[HEAD_ROOM..];
     let mut walk = corsnap_unwind::walk(map, &memory, regs, cache, out);
-    for (count, add) in counts.iter_mut().zip([1, walk.len, walk.path_frames]) {
+    for (count, add) in counts.iter_mut().zip([1, walk.len, walk.path_frames, walk.rest_frames]) {
         *count += add as u64;
     }
     // Frames of native code at the leaf are corsnap's own and the runtime's
@@ -336,6 +336,7 @@ pub struct EventWalkCounters {
     pub walks: u64,
     pub frames: u64,
     pub path_frames: u64,
+    pub rest_frames: u64,
     pub unknown_stacks: u64,
     pub pool_empty: u64,
 }
@@ -345,6 +346,7 @@ pub fn counters() -> EventWalkCounters {
         walks: TOTALS[0].load(Ordering::Relaxed),
         frames: TOTALS[1].load(Ordering::Relaxed),
         path_frames: TOTALS[2].load(Ordering::Relaxed),
+        rest_frames: TOTALS[3].load(Ordering::Relaxed),
         unknown_stacks: UNKNOWN_STACKS.load(Ordering::Relaxed),
         pool_empty: POOL_EMPTY.load(Ordering::Relaxed),
     }

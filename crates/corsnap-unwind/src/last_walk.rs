@@ -30,7 +30,7 @@ pub(crate) const REMEMBERED_FRAMES: usize = 64;
 /// remembered.
 #[derive(Debug, Clone)]
 pub(crate) struct LastWalk {
-    generation: u64,
+    lineage: u64,
     len: usize,
     frames: [u64; REMEMBERED_FRAMES],
     sps: [u64; REMEMBERED_FRAMES],
@@ -41,7 +41,7 @@ pub(crate) struct LastWalk {
 
 impl LastWalk {
     pub(crate) fn new() -> Self {
-        LastWalk { generation: 0, len: 0, frames: [0; REMEMBERED_FRAMES], sps: [0; REMEMBERED_FRAMES], start: 0 }
+        LastWalk { lineage: 0, len: 0, frames: [0; REMEMBERED_FRAMES], sps: [0; REMEMBERED_FRAMES], start: 0 }
     }
 
     /// Whether a walk at `regs` (a return address) has arrived at one of
@@ -52,12 +52,12 @@ impl LastWalk {
     /// frame once, and checks the rest at most once.
     pub(crate) fn frames_from<M: Memory>(
         &self,
-        generation: u64,
+        lineage: u64,
         regs: Regs,
         cursor: &mut usize,
         mem: &M,
     ) -> Option<(&[u64], u64)> {
-        if self.len == 0 || generation != self.generation {
+        if self.len == 0 || lineage != self.lineage {
             return None;
         }
         let mut k = *cursor;
@@ -122,7 +122,7 @@ impl WalkTracker {
     /// with nothing unknown on the way (a return address it undid from a
     /// hijack is remembered as the real one: the stack's differs until the
     /// runtime puts it back, and then it matches).
-    pub(crate) fn finish(&self, last: &mut LastWalk, generation: u64, out: &[u64], walk_flags: u32) {
+    pub(crate) fn finish(&self, last: &mut LastWalk, lineage: u64, out: &[u64], walk_flags: u32) {
         let clean = walk_flags & !flags::HIJACKED == flags::COMPLETE;
         let from = self.from.max(out.len().saturating_sub(REMEMBERED_FRAMES));
         if !clean || from >= out.len() {
@@ -139,7 +139,7 @@ impl WalkTracker {
         }
         last.start = self.last_managed.map_or(0, |m| (m + 1).saturating_sub(from)).min(n);
         last.len = n;
-        last.generation = generation;
+        last.lineage = lineage;
     }
 }
 
@@ -226,7 +226,7 @@ mod tests {
             "below the change"
         );
         let mut cursor = 0;
-        assert_eq!(last.frames_from(8, at(0), &mut cursor, &stack()), None, "another map");
+        assert_eq!(last.frames_from(8, at(0), &mut cursor, &stack()), None, "another lineage of maps");
     }
 
     #[test]

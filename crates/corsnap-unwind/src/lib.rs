@@ -343,6 +343,13 @@ pub struct CodeMap {
     /// Unique to this map (0 for an empty default one): what a
     /// [`WalkCache`]'s managed entries were found in.
     generation: u64,
+    /// Shared by the maps that followed this one's natives and kept every
+    /// managed region it had (adding others): in them every address this
+    /// map knew is the same code, so frames a walk remembers by address
+    /// (its path, its last walk) stay true, where the cache's managed
+    /// entries (which hold region indexes) do not. A map published per
+    /// body learned no longer empties them.
+    lineage: u64,
     /// Code a walk ends at, as if it were the root: a frame in it is kept
     /// and nothing beyond it is walked (see [`CodeMap::with_roots`]).
     roots: Vec<Range<u64>>,
@@ -398,6 +405,7 @@ impl CodeMap {
             stacks,
             sigreturn,
             generation,
+            lineage: generation,
             roots: Vec::new(),
             hijack_stub: None,
         }
@@ -422,7 +430,21 @@ impl CodeMap {
     /// entries are keyed by, is new.)
     pub fn with_same_natives(&self, managed: Vec<ManagedCode>, stacks: Vec<Range<u64>>) -> CodeMap {
         let fresh = CodeMap::new(Vec::new(), managed, stacks, self.sigreturn);
+        // Both lists are sorted by address, without overlaps.
+        let mut new = fresh.managed.iter().peekable();
+        let kept_all = self.managed.iter().all(|old| {
+            while new.next_if(|n| n.code.start < old.code.start).is_some() {}
+            new.next_if(|n| {
+                n.code == old.code
+                    && n.base == old.base
+                    && n.frameless == old.frameless
+                    && Arc::ptr_eq(&n.functions, &old.functions)
+            })
+            .is_some()
+        });
+        let lineage = if kept_all { self.lineage } else { fresh.generation };
         CodeMap {
+            lineage,
             natives: self.natives.clone(),
             unwinder: self.unwinder.clone(),
             hijack_stub: self.hijack_stub.clone(),
@@ -481,6 +503,12 @@ impl CodeMap {
         self.generation
     }
 
+    /// The map's lineage (see the field): equal for maps that know every
+    /// address the first of them knew, as the same code.
+    pub fn lineage(&self) -> u64 {
+        self.lineage
+    }
+
     pub fn stack_containing(&self, sp: u64) -> Option<Range<u64>> {
         let i = self.stacks.partition_point(|r| r.start <= sp);
         let r = self.stacks.get(i.checked_sub(1)?)?;
@@ -515,6 +543,9 @@ pub struct Walk {
     /// How many frames, from the leaf, came from a remembered path (see
     /// [`WalkCache::remember_paths`]).
     pub path_frames: usize,
+    /// How many frames, at the root's end, came from the last complete
+    /// walk's (see [`last_walk`]).
+    pub rest_frames: usize,
 }
 
 /// One unwinding step's outcome.
@@ -562,13 +593,13 @@ pub fn walk_until<M: Memory>(
     let mut splice = None;
     let mut tracker = WalkTracker::new();
     let mut cursor = 0;
-    let mut remembered_rest = false;
+    let mut rest_frames = 0;
     let mut entry_frames = None;
     // As far as the path a walk from the same place took still holds (see
     // [`walk_paths`]); only walks of one's own stack start there twice.
     let mut path_frames = 0;
     if stop.is_none() {
-        if let Some(taken) = cache.paths.begin(map.generation, regs, mem, out) {
+        if let Some(taken) = cache.paths.begin(map.lineage, regs, mem, out) {
             for j in 0..taken.frames {
                 let (native, sp) = cache.paths.taken_frame(j).unwrap_or((false, 0));
                 tracker.frame(j, sp, native, j == 0);
@@ -598,13 +629,13 @@ pub fn walk_until<M: Memory>(
         // the stack still holds it (see [`last_walk`]). Not in a walk that
         // is to stop at a given frame: that frame may lie inside it.
         if stop.is_none() && !exact {
-            if let Some((rest, root_sp)) = cache.last.frames_from(map.generation, regs, &mut cursor, mem) {
+            if let Some((rest, root_sp)) = cache.last.frames_from(map.lineage, regs, &mut cursor, mem) {
                 if let Some(room) = out.get_mut(len..len + rest.len()) {
                     room.copy_from_slice(rest);
                     len += rest.len();
                     regs.sp = root_sp;
                     flags |= flags::COMPLETE;
-                    remembered_rest = true;
+                    rest_frames = rest.len();
                     break;
                 }
             }
@@ -759,11 +790,11 @@ pub fn walk_until<M: Memory>(
             }
         }
     }
-    if stop.is_none() && !remembered_rest {
-        tracker.finish(&mut cache.last, map.generation, &out[..len], flags);
+    if stop.is_none() && rest_frames == 0 {
+        tracker.finish(&mut cache.last, map.lineage, &out[..len], flags);
     }
     if stop.is_none() {
-        cache.paths.finish(map.generation, &out[..len]);
+        cache.paths.finish(map.lineage, &out[..len]);
     }
     let splice = splice.filter(|&(i, _)| i < len);
     Walk {
@@ -775,6 +806,7 @@ pub fn walk_until<M: Memory>(
         splice,
         entry_frames,
         path_frames,
+        rest_frames,
     }
 }
 

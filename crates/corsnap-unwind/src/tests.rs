@@ -388,3 +388,21 @@ fn an_osr_body_unwinds_through_the_tier0_frame_it_sits_on() {
     // The leaf is exact here; what matters is the caller.
     assert_eq!(address_of(out[1]), A3 + 6, "{:x?}", &out[..w.len]);
 }
+
+/// Maps that keep every region of the last (adding others) share its
+/// lineage, and so the frames walks remember; one that drops or replaces a
+/// region starts another.
+#[test]
+fn a_map_that_only_adds_code_keeps_its_lineage() {
+    let (a, _) = body(0x10000, &[0x90; 16], &[1, 0, 0, 0]);
+    let (b, _) = body(0x20000, &[0x90; 16], &[1, 0, 0, 0]);
+    let first = CodeMap::new(Vec::new(), vec![a.clone()], Vec::new(), 0);
+    let added = first.with_same_natives(vec![b.clone(), a.clone()], vec![0x7000..0x8000, 0x9000..0xa000]);
+    assert_eq!(added.lineage(), first.lineage());
+    assert_ne!(added.generation(), first.generation());
+    let dropped = added.with_same_natives(vec![b.clone()], Vec::new());
+    assert_ne!(dropped.lineage(), added.lineage());
+    let (a_again, _) = body(0x10000, &[0x90; 16], &[1, 0, 0, 0]);
+    let replaced = first.with_same_natives(vec![a_again, b], Vec::new());
+    assert_ne!(replaced.lineage(), first.lineage(), "the same range learned again may unwind otherwise");
+}

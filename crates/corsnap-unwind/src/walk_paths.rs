@@ -86,7 +86,7 @@ impl Tracked {
 /// the one they lead to (its address read from the stack when taken).
 #[derive(Debug, Clone)]
 struct Path {
-    generation: u64,
+    lineage: u64,
     len: usize,
     /// The frames as the walk wrote them (the first an exact address).
     frames: [u64; PATH_FRAMES],
@@ -103,7 +103,7 @@ struct Path {
 
 impl Path {
     const EMPTY: Path = Path {
-        generation: 0,
+        lineage: 0,
         len: 0,
         frames: [0; PATH_FRAMES],
         sps: [0; PATH_FRAMES + 1],
@@ -185,7 +185,7 @@ impl WalkPaths {
     /// A walk starts at `regs` (an exact address): takes what a remembered
     /// path from there gives (its frames written to `out`), and starts
     /// tracking this walk's path.
-    pub(crate) fn begin<M: Memory>(&mut self, generation: u64, regs: Regs, mem: &M, out: &mut [u64]) -> Option<Taken> {
+    pub(crate) fn begin<M: Memory>(&mut self, lineage: u64, regs: Regs, mem: &M, out: &mut [u64]) -> Option<Taken> {
         let s = self.state.as_deref_mut()?;
         s.tracking = true;
         s.start_sp = regs.sp;
@@ -198,7 +198,7 @@ impl WalkPaths {
         let mut best: Option<(usize, usize, Regs)> = None;
         for i in (0..PATHS).map(|k| (s.next + PATHS - 1 - k) % PATHS) {
             let path = &s.paths[i];
-            if path.len == 0 || path.generation != generation || path.frames[0] != first {
+            if path.len == 0 || path.lineage != lineage || path.frames[0] != first {
                 continue;
             }
             let (m, at) = path.matched(regs, mem);
@@ -275,7 +275,7 @@ impl WalkPaths {
 
     /// The walk ended with `out` its frames: its path is remembered, unless
     /// it is the one it took whole.
-    pub(crate) fn finish(&mut self, generation: u64, out: &[u64]) {
+    pub(crate) fn finish(&mut self, lineage: u64, out: &[u64]) {
         let Some(s) = self.state.as_deref_mut() else { return };
         s.tracking = false;
         let len = s.building.len;
@@ -296,7 +296,7 @@ impl WalkPaths {
         path.bps[..=len].copy_from_slice(&b.bps[..=len]);
         path.bases[..len].copy_from_slice(&b.bases[..len]);
         path.native = b.native;
-        path.generation = generation;
+        path.lineage = lineage;
         path.len = len;
     }
 }
@@ -449,7 +449,7 @@ mod tests {
         let mut out = vec![0; 8];
         assert!(paths.begin(7, START, &stack(), &mut out).is_none(), "not asked for when walked");
         walk(&mut paths);
-        assert!(paths.begin(8, START, &stack(), &mut out).is_none(), "another map");
+        assert!(paths.begin(8, START, &stack(), &mut out).is_none(), "another lineage of maps");
         assert!(paths.begin(7, Regs { ip: 0x1001, ..START }, &stack(), &mut out).is_none(), "another place");
         assert!(paths.begin(7, START, &stack(), &mut out).is_some());
     }
