@@ -68,7 +68,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--runtimes", default="8,10", help="comma-separated: 8, 9, 10")
-    ap.add_argument("--validate", type=int, default=400_000, help="records (a quarter of them throw)")
+    ap.add_argument("--validate", type=int, default=1_200_000, help="records (a quarter of them throw)")
     ap.add_argument("--exceptions", type=int, default=200_000, help="throw/catch pairs")
     ap.add_argument("--requests", type=int, default=200_000, help="requests (half of them throw)")
     ap.add_argument("--allocs", type=int, default=1_500_000, help="allocation rounds")

@@ -181,18 +181,8 @@ impl FrameRule {
 mod tests {
     use super::*;
     use std::collections::HashMap;
-    use std::ops::Range;
 
-    struct Stack(HashMap<u64, u64>);
-
-    impl Memory for Stack {
-        fn stack_word(&self, addr: u64) -> Option<u64> {
-            self.0.get(&addr).copied()
-        }
-        fn code_bytes(&self, _region: &crate::ManagedCode, _range: Range<u64>) -> Option<&[u8]> {
-            None
-        }
-    }
+    use crate::stack_words::StackWords as Stack;
 
     #[test]
     fn a_frame_on_rbp_with_pushes_and_an_allocation() {

@@ -146,18 +146,8 @@ impl WalkTracker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
 
-    struct Words(HashMap<u64, u64>);
-
-    impl Memory for Words {
-        fn stack_word(&self, addr: u64) -> Option<u64> {
-            self.0.get(&addr).copied()
-        }
-        fn code_bytes(&self, _: &crate::ManagedCode, _: std::ops::Range<u64>) -> Option<&[u8]> {
-            None
-        }
-    }
+    use crate::stack_words::StackWords as Words;
 
     const LEAF: u64 = 0x5000 | EXACT_IP;
     /// Two managed frames over a thread's start of three native frames,

@@ -34,6 +34,8 @@ mod last_walk;
 mod leaf_functions;
 mod native_table;
 pub mod process;
+#[cfg(test)]
+mod stack_words;
 mod walk_paths;
 
 use std::ops::Range;

@@ -314,16 +314,7 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    struct Words(HashMap<u64, u64>);
-
-    impl Memory for Words {
-        fn stack_word(&self, addr: u64) -> Option<u64> {
-            self.0.get(&addr).copied()
-        }
-        fn code_bytes(&self, _: &crate::ManagedCode, _: std::ops::Range<u64>) -> Option<&[u8]> {
-            None
-        }
-    }
+    use crate::stack_words::StackWords as Words;
 
     const START: Regs = Regs { ip: 0x1000, sp: 0x7000, bp: 0x1111 };
     const EXACT: u64 = 0x1000 | EXACT_IP;
