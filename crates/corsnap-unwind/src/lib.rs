@@ -498,7 +498,6 @@ impl CodeMap {
         self.managed_at(addr).is_some() || self.native_at(addr).is_some()
     }
 
-    /// The anonymous mapping containing `sp`: the bounds of a thread's stack.
     /// The map's generation: no two maps share one, so what was found in
     /// a map can be kept beside its generation.
     pub fn generation(&self) -> u64 {
@@ -511,6 +510,7 @@ impl CodeMap {
         self.lineage
     }
 
+    /// The anonymous mapping containing `sp`: the bounds of a thread's stack.
     pub fn stack_containing(&self, sp: u64) -> Option<Range<u64>> {
         let i = self.stacks.partition_point(|r| r.start <= sp);
         let r = self.stacks.get(i.checked_sub(1)?)?;
