@@ -76,7 +76,12 @@ fn none_in_flight() -> bool {
 /// Walk caches, with their frame buffers, lent to walks (null: lent out, or
 /// none made).
 const POOL: usize = 32;
-static CACHE_POOL: [AtomicPtr<Walker>; POOL] = [const { AtomicPtr::new(null_mut()) }; POOL];
+static CACHE_POOL: [PoolSlot; POOL] = [const { PoolSlot(AtomicPtr::new(null_mut())) }; POOL];
+
+/// A pool slot on a cache line of its own: threads borrowing neighbouring
+/// slots at every event would otherwise pass one line between their cores.
+#[repr(align(64))]
+struct PoolSlot(AtomicPtr<Walker>);
 
 /// Words before the frames in the buffer a walk hands its caller, for the
 /// caller's own use (the head of a tally's key).
@@ -210,7 +215,7 @@ impl Borrowed {
         let here = 0u8;
         let start = (std::ptr::addr_of!(here) as usize >> 12) % POOL;
         (0..POOL).map(|i| (start + i) % POOL).find_map(|index| {
-            let walker = CACHE_POOL[index].swap(null_mut(), Ordering::Acquire);
+            let walker = CACHE_POOL[index].0.swap(null_mut(), Ordering::Acquire);
             (!walker.is_null()).then_some(Borrowed { index, walker })
         })
     }
@@ -218,7 +223,7 @@ impl Borrowed {
 
 impl Drop for Borrowed {
     fn drop(&mut self) {
-        CACHE_POOL[self.index].store(self.walker, Ordering::Release);
+        CACHE_POOL[self.index].0.store(self.walker, Ordering::Release);
     }
 }
 
@@ -382,7 +387,7 @@ impl EventMap {
         }
         for slot in &CACHE_POOL {
             let cache = Box::into_raw(Walker::new());
-            let old = slot.swap(cache, Ordering::AcqRel);
+            let old = slot.0.swap(cache, Ordering::AcqRel);
             if !old.is_null() {
                 // SAFETY: only install and uninstall put caches in the pool,
                 // each made by Box::into_raw; an old one is ours to free.
@@ -429,7 +434,7 @@ impl EventMap {
             std::thread::sleep(Duration::from_micros(200));
         }
         for slot in &CACHE_POOL {
-            let cache = slot.swap(null_mut(), Ordering::AcqRel);
+            let cache = slot.0.swap(null_mut(), Ordering::AcqRel);
             if !cache.is_null() {
                 // SAFETY: made by Box::into_raw in install; no walk holds it
                 // (none is running, and none can start without a map).
