@@ -163,6 +163,25 @@ impl CodeLearner {
     }
 
     /// Finds the code containing `ip`.
+    /// The bodies of `functions` (just compiled by the runtime) that
+    /// `known` does not cover yet, learned, for a walker to know them before
+    /// a walk meets them: the signal engine's and the event walker's.
+    pub fn learn_compiled(&mut self, functions: &[FunctionID], known: impl Fn(u64) -> bool) -> Vec<ManagedCode> {
+        let mut learned: Vec<ManagedCode> = Vec::new();
+        for &function in functions {
+            let Ok(starts) = self.info.get_native_code_start_addresses(function) else { continue };
+            for start in starts {
+                if start == 0 || known(start) || learned.iter().any(|m| m.code.contains(&start)) {
+                    continue;
+                }
+                if let Learned::Code(code) = self.learn(start) {
+                    learned.push(code);
+                }
+            }
+        }
+        learned
+    }
+
     pub fn learn(&mut self, ip: u64) -> Learned {
         let Ok(function) = self.info.get_function_from_ip(ip as usize) else {
             // The runtime names no method here, but it may still be code its

@@ -154,17 +154,12 @@ impl EventWalker {
     /// Learns the bodies of `compiled` (functions the runtime just
     /// compiled) before an event's walk meets them unknown.
     fn learn_compiled(&mut self, compiled: &[FunctionID]) {
-        for &function in compiled {
-            let Ok(starts) = self.info.get_native_code_start_addresses(function) else { continue };
-            for start in starts {
-                if start == 0 || self.map.is_code(start) || self.managed.iter().any(|m| m.code.contains(&start)) {
-                    continue;
-                }
-                if let Learned::Code(code) = self.learner.learn(start) {
-                    self.add_managed(code);
-                    self.stats.learned_at_compile += 1;
-                }
-            }
+        let (map, managed) = (&self.map, &self.managed);
+        let learned =
+            self.learner.learn_compiled(compiled, |a| map.is_code(a) || managed.iter().any(|m| m.code.contains(&a)));
+        for code in learned {
+            self.add_managed(code);
+            self.stats.learned_at_compile += 1;
         }
     }
 

@@ -560,17 +560,12 @@ impl SignalEngine {
             return;
         }
         let started = Instant::now();
-        for function in compiled {
-            let Ok(starts) = self.shared.info.get_native_code_start_addresses(function) else { continue };
-            for start in starts {
-                if start == 0 || self.knows_code(start) {
-                    continue;
-                }
-                if let Learned::Code(code) = self.learner.learn(start) {
-                    self.add_managed(code);
-                    self.learned_at_compile += 1;
-                }
-            }
+        let (map, managed) = (&self.map, &self.managed);
+        let learned =
+            self.learner.learn_compiled(&compiled, |a| map.is_code(a) || managed.iter().any(|m| m.code.contains(&a)));
+        for code in learned {
+            self.add_managed(code);
+            self.learned_at_compile += 1;
         }
         self.learning_at_compile += started.elapsed();
     }
