@@ -55,6 +55,13 @@ impl FrameRule {
     pub(crate) const UNSUITABLE: FrameRule =
         FrameRule { state: RuleState::Unsuitable, from_bp: false, restores_bp: false, ra_at: 0, bp_at: 0 };
 
+    /// A known rule of the given shape: the return address at `ra_at` from
+    /// the base (the frame pointer when `from_bp`, else the stack pointer),
+    /// the caller's frame pointer at `bp_at` from it when given.
+    pub(crate) fn known(from_bp: bool, ra_at: i32, bp_at: Option<i32>) -> FrameRule {
+        FrameRule { state: RuleState::Known, from_bp, restores_bp: bp_at.is_some(), ra_at, bp_at: bp_at.unwrap_or(0) }
+    }
+
     pub(crate) fn is_untried(&self) -> bool {
         self.state == RuleState::Untried
     }

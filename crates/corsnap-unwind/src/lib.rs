@@ -680,10 +680,14 @@ pub fn walk_until<M: Memory>(
             let (region, entry) = cache.leaves.find(map.generation, lookup).filter(|_| exact)?;
             Some(ManagedHit { generation: map.generation, address: lookup, region, entry, rule: FrameRule::default() })
         });
-        // A return address met before in a managed frame: its rule reads the
-        // caller from the stack, with no region, table or record touched.
+        // A return address met before: its rule reads the caller from the
+        // stack, with no region, table or record touched. For a native frame
+        // that is its row's rule, kept when the row was first looked up: at
+        // 100 samples a second the module's table is cold, and its lookup
+        // was three misses one after the other (page index, row starts, row
+        // rules), each on a page of its own.
         let by_rule = match hit {
-            Some(h) if !exact && h.region != NATIVE_REGION => h.rule.apply(mem, regs),
+            Some(h) if !exact => h.rule.apply(mem, regs),
             _ => None,
         };
         let native_hit = hit.is_some_and(|h| h.region == NATIVE_REGION);
@@ -699,8 +703,13 @@ pub fn walk_until<M: Memory>(
         let mut tracked = None;
         let hijacks_before = flags & flags::HIJACKED;
         let step = if let Some(next) = by_rule {
-            tracked = hit.map(|h| Tracked::Managed(h.rule));
-            managed_caller(map, mem, cache, regs, next, &mut flags, &mut undone_hijack)
+            tracked = hit.map(|h| Tracked::Frame(h.rule));
+            if native_hit {
+                native_frame = true;
+                Step::Next(next)
+            } else {
+                managed_caller(map, mem, cache, regs, next, &mut flags, &mut undone_hijack)
+            }
         } else if let Some(region) = region.filter(|r| r.frameless) {
             stub_step(map, mem, regs, exact, region)
         } else if let Some(region) = region {
@@ -722,7 +731,7 @@ pub fn walk_until<M: Memory>(
             // A rule derived just now gave this very step (else it is not
             // kept); one known before, that did not serve here, is not it.
             if !exact && untried && rule.is_known() {
-                tracked = Some(Tracked::Managed(rule));
+                tracked = Some(Tracked::Frame(rule));
             }
             match step {
                 Some(Step::Next(next)) => managed_caller(map, mem, cache, regs, next, &mut flags, &mut undone_hijack),
@@ -732,27 +741,32 @@ pub fn walk_until<M: Memory>(
                     unknown_step(map, mem, regs, exact)
                 }
             }
-        } else if native_hit {
+        } else if let Some(h) = hit.filter(|_| native_hit) {
             native_frame = true;
-            let module = hit.and_then(|h| map.natives.get(h.entry as usize)).filter(|m| m.code.contains(&lookup));
+            let module = map.natives.get(h.entry as usize).filter(|m| m.code.contains(&lookup));
             let (step, rule) = native_frame_step(map, module, mem, regs, exact, cache);
+            if let Some(kept) = rule.filter(|_| !exact && !h.rule.is_known()).and_then(|r| r.as_frame_rule()) {
+                cache.remember_managed(ManagedHit { rule: kept, ..h });
+            }
             tracked = rule.map(Tracked::Native);
             step
         } else if let Some(stub) = map.hijack_stub.as_ref().filter(|s| s.range.contains(&lookup)) {
             hijack_stub_step(map, mem, regs, exact, stub)
         } else if let Some(index) = map.native_index_at(lookup) {
             let module = map.natives.get(index);
+            native_frame = true;
+            let (step, rule) = native_frame_step(map, module, mem, regs, exact, cache);
             let hit = ManagedHit {
                 generation: map.generation,
                 address: lookup,
                 region: NATIVE_REGION,
                 // For a native frame: its module.
                 entry: index as u32,
-                rule: FrameRule::UNSUITABLE,
+                // Its row's rule, for a return address (a leaf's address is
+                // seldom met again, and is looked up as itself, not less one).
+                rule: rule.filter(|_| !exact).and_then(|r| r.as_frame_rule()).unwrap_or(FrameRule::UNSUITABLE),
             };
             cache.remember_managed(hit);
-            native_frame = true;
-            let (step, rule) = native_frame_step(map, module, mem, regs, exact, cache);
             tracked = rule.map(Tracked::Native);
             step
         } else {

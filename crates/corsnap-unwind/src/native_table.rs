@@ -25,6 +25,7 @@ use gimli::{
     UnwindContextStorage, UnwindSection, UnwindTableRow, X86_64,
 };
 
+use crate::frame_rule::FrameRule;
 use crate::{Memory, Regs};
 
 /// Rows of the table carry this in place of a rule: no row there, or one
@@ -78,6 +79,20 @@ impl CfiRule {
     #[cfg(test)]
     pub(crate) fn for_tests(cfa_from_bp: bool, cfa_offset: i32, bp_at: Option<i32>) -> CfiRule {
         CfiRule { cfa_from_bp, cfa_offset, bp_at }
+    }
+
+    /// The same step as a [`FrameRule`], which the walk cache keeps per
+    /// return address: the return address lies at the CFA less 8, the CFA
+    /// is the slot after it (what [`FrameRule::apply`] gives as the
+    /// caller's stack pointer), and a saved frame pointer's offset moves
+    /// from the CFA to the base. `None` if an offset overflows.
+    pub(crate) fn as_frame_rule(&self) -> Option<FrameRule> {
+        let ra_at = self.cfa_offset.checked_sub(8)?;
+        let bp_at = match self.bp_at {
+            Some(at) => Some(self.cfa_offset.checked_add(at)?),
+            None => None,
+        };
+        Some(FrameRule::known(self.cfa_from_bp, ra_at, bp_at))
     }
 
     /// The caller of a frame at `regs` under this rule.
@@ -221,5 +236,37 @@ impl NativeTable {
     /// Bytes held.
     pub(crate) fn size(&self) -> usize {
         self.starts.len() * 4 + self.rule_of.len() * 2 + self.pages.len() * 4 + self.rules.len() * 12
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    use crate::stack_words::StackWords as Stack;
+
+    #[test]
+    fn a_row_rule_and_its_frame_rule_take_the_same_step() {
+        let bp = 0x7000_0100;
+        let sp = 0x7000_0040;
+        let stack = Stack(HashMap::from_iter((0..64).map(|i| (sp + 8 * i, 0x1000 + i))));
+        let regs = Regs { ip: 0x4000, sp, bp };
+        for (from_bp, cfa_offset, bp_at) in [
+            (false, 8, None),
+            (false, 0x38, Some(-16)),
+            (true, 16, Some(-16)),
+            (true, 0x40, None),
+            (false, 0x98, Some(-0x48)),
+        ] {
+            let row = CfiRule { cfa_from_bp: from_bp, cfa_offset, bp_at };
+            let frame = row.as_frame_rule().expect("no overflow");
+            assert_eq!(frame.apply(&stack, regs), row.caller(&stack, regs), "{row:?}");
+            assert!(row.caller(&stack, regs).is_some(), "{row:?}");
+            assert_eq!(frame.bp_based(), row.bp_based());
+            let cfa = row.caller(&stack, regs).unwrap().sp;
+            assert_eq!(frame.bp_slot(regs), row.bp_slot(cfa), "{row:?}");
+        }
+        assert!(CfiRule { cfa_from_bp: false, cfa_offset: i32::MIN, bp_at: None }.as_frame_rule().is_none());
     }
 }

@@ -60,15 +60,18 @@ enum BpFrom {
 /// The rule a frame was stepped by, when it is one a path can hold.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Tracked {
+    /// A native frame's row, from its module's table.
     Native(CfiRule),
-    Managed(FrameRule),
+    /// A managed frame's rule, or a native frame's row kept in the walk
+    /// cache as the same step ([`CfiRule::as_frame_rule`]).
+    Frame(FrameRule),
 }
 
 impl Tracked {
     fn bp_based(&self) -> bool {
         match self {
             Tracked::Native(rule) => rule.bp_based(),
-            Tracked::Managed(rule) => rule.bp_based(),
+            Tracked::Frame(rule) => rule.bp_based(),
         }
     }
 
@@ -77,7 +80,7 @@ impl Tracked {
     fn bp_slot(&self, regs: Regs, next: Regs) -> Option<u64> {
         match self {
             Tracked::Native(rule) => rule.bp_slot(next.sp),
-            Tracked::Managed(rule) => rule.bp_slot(regs),
+            Tracked::Frame(rule) => rule.bp_slot(regs),
         }
     }
 }
@@ -342,7 +345,7 @@ mod tests {
         // push rbp; mov rbp, rsp: the return address at rbp + 8, the
         // caller's frame pointer at rbp.
         let info = [1, 4, 2, 0x05, 4, 0x03, 1, 0x50];
-        Some(Tracked::Managed(FrameRule::derive(&info, 8).expect("a rule")))
+        Some(Tracked::Frame(FrameRule::derive(&info, 8).expect("a rule")))
     }
 
     /// The frames, as a walk finds them: (address written, registers).
