@@ -27,7 +27,7 @@ use std::collections::HashMap;
 
 use corsnap_abi::process::{read_own_bytes, read_own_memory, read_own_u64};
 use corsnap_abi::{CorProfilerInfo, FunctionID, ModuleID};
-use corsnap_unwind::{unwind_info_len, ManagedCode, UnwindBytes};
+use corsnap_unwind::{unwind_info_len, CodeMap, ManagedCode, UnwindBytes};
 
 use crate::runtime_layout::{CodeHeaderLayout, MapLookup, RuntimeLayout};
 
@@ -97,6 +97,12 @@ pub fn is_stub_key(key: u64) -> bool {
     key == 3 || (0x100 + FRAMELESS_STUB_TAG..0x100 + TAG_LIMIT).contains(&key)
 }
 
+/// Whether a walker already knows the code at `addr`: its published map
+/// does, or a region learned since (`pending`, for the next map) does.
+pub fn knows_code(map: &CodeMap, pending: &[ManagedCode], addr: u64) -> bool {
+    map.is_code(addr) || pending.iter().any(|m| m.code.contains(&addr))
+}
+
 /// A frameless stub region ([`ManagedCode::frameless`]); its function
 /// table (one entry without unwind codes) is there for the resolver only.
 fn frameless_stub(range: std::ops::Range<u64>, kind: u64) -> ManagedCode {
@@ -162,7 +168,6 @@ impl CodeLearner {
         }
     }
 
-    /// Finds the code containing `ip`.
     /// The bodies of `functions` (just compiled by the runtime) that
     /// `known` does not cover yet, learned, for a walker to know them before
     /// a walk meets them: the signal engine's and the event walker's.
@@ -182,6 +187,7 @@ impl CodeLearner {
         learned
     }
 
+    /// Finds the code containing `ip`.
     pub fn learn(&mut self, ip: u64) -> Learned {
         let Ok(function) = self.info.get_function_from_ip(ip as usize) else {
             // The runtime names no method here, but it may still be code its

@@ -28,7 +28,7 @@ use corsnap_unwind::process::{parse_maps, stack_ranges};
 use corsnap_unwind::{flags, lookup_address, CodeMap, ManagedCode, NativeModule};
 use corsnap_wire::NATIVE_FRAME_BIT;
 
-use crate::code_learning::{CodeLearner, Learned, STUB_TAG};
+use crate::code_learning::{knows_code, CodeLearner, Learned, STUB_TAG};
 use crate::log;
 use crate::native_modules::SharedNativeModules;
 use crate::runtime_layout::RuntimeLayout;
@@ -155,8 +155,7 @@ impl EventWalker {
     /// compiled) before an event's walk meets them unknown.
     fn learn_compiled(&mut self, compiled: &[FunctionID]) {
         let (map, managed) = (&self.map, &self.managed);
-        let learned =
-            self.learner.learn_compiled(compiled, |a| map.is_code(a) || managed.iter().any(|m| m.code.contains(&a)));
+        let learned = self.learner.learn_compiled(compiled, |a| knows_code(map, managed, a));
         for code in learned {
             self.add_managed(code);
             self.stats.learned_at_compile += 1;

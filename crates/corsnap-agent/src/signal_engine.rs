@@ -32,7 +32,7 @@ use corsnap_unwind::{
 };
 use corsnap_wire::{CpuClock, SamplerStats, NATIVE_FRAME_BIT, NO_IL_OFFSET};
 
-use crate::code_learning::{CodeLearner, Learned, STUB_TAG};
+use crate::code_learning::{knows_code, CodeLearner, Learned, STUB_TAG};
 use crate::log;
 use crate::native_modules::SharedNativeModules;
 use crate::runtime_layout::RuntimeLayout;
@@ -545,12 +545,6 @@ impl SignalEngine {
         self.scratch = scratch;
     }
 
-    /// Whether `addr` is in code the engine knows: in the published map, or
-    /// learned since it was published.
-    fn knows_code(&self, addr: u64) -> bool {
-        self.map.is_code(addr) || self.managed.iter().any(|m| m.code.contains(&addr))
-    }
-
     /// Learns the code of the functions the runtime compiled since the last
     /// round, before a sample lands in it: a sample in a body not learned
     /// yet needs a stack copy and a second walk.
@@ -561,8 +555,7 @@ impl SignalEngine {
         }
         let started = Instant::now();
         let (map, managed) = (&self.map, &self.managed);
-        let learned =
-            self.learner.learn_compiled(&compiled, |a| map.is_code(a) || managed.iter().any(|m| m.code.contains(&a)));
+        let learned = self.learner.learn_compiled(&compiled, |a| knows_code(map, managed, a));
         for code in learned {
             self.add_managed(code);
             self.learned_at_compile += 1;
@@ -592,7 +585,7 @@ impl SignalEngine {
             let mut learned = false;
             for &frame in &raw.frames {
                 let addr = lookup_address(frame);
-                if self.knows_code(addr) || self.not_managed.contains(&addr) {
+                if knows_code(&self.map, &self.managed, addr) || self.not_managed.contains(&addr) {
                     continue;
                 }
                 match self.learner.learn(addr) {
