@@ -30,6 +30,7 @@
 
 mod frame_rule;
 mod hijack;
+mod known_addresses;
 mod last_walk;
 mod leaf_functions;
 mod native_table;
@@ -46,6 +47,7 @@ use framehop::{ExplicitModuleSectionInfo, FrameAddress, Module, MustNotAllocateD
 use pe_unwind_info::x86_64::{FunctionTableEntries, Register, UnwindState, XmmRegister};
 
 use frame_rule::FrameRule;
+use known_addresses::{KnownAddress, KnownAddresses};
 use last_walk::{LastWalk, WalkTracker};
 use leaf_functions::LeafFunctions;
 use native_table::{CfiRule, NativeTable};
@@ -146,12 +148,13 @@ pub trait Memory {
 /// thread's signal handler has its own).
 pub struct WalkCache {
     rules: CacheX86_64<MustNotAllocateDuringUnwind>,
-    /// Direct-mapped by address: a managed frame met again skips two binary
+    /// The return addresses met before, with their rules (see
+    /// [`known_addresses`]): a managed frame met again skips two binary
     /// searches (its region, and its function in a table that for CoreLib's
-    /// image is large and cold in the CPU's caches); a native frame met
-    /// again skips the search of the managed regions and of the modules
-    /// before framehop's own ([`NATIVE_REGION`]).
-    managed: Box<[ManagedHit; MANAGED_HITS]>,
+    /// image is large and cold in the CPU's caches) and its unwind record; a
+    /// native frame met again skips the search of the managed regions, of
+    /// the modules, and of its module's rows.
+    known: KnownAddresses,
     /// The deepest frames of the thread's last complete walk (see
     /// [`last_walk`]).
     last: LastWalk,
@@ -161,30 +164,24 @@ pub struct WalkCache {
     paths: WalkPaths,
 }
 
-/// A managed frame's lookup address in one map, and where its region and
-/// function-table entry are.
-#[derive(Debug, Clone, Copy, Default)]
+/// What a walk knows of the frame at hand before stepping out of it: from
+/// [`KnownAddresses`], or for a leaf from [`LeafFunctions`].
+#[derive(Debug, Clone, Copy)]
 struct ManagedHit {
-    generation: u64,
-    address: u64,
-    region: u32,
-    /// Byte offset of the `RUNTIME_FUNCTION` in the region's table.
+    native: bool,
+    /// The frame's region's index in the map walked, when known (a leaf's;
+    /// a return address's is looked up only when its rule does not serve).
+    region: Option<u32>,
+    /// See [`KnownAddress::entry`].
     entry: u32,
-    /// How to unwind the frame from this return address without its
-    /// record (see [`frame_rule`]).
     rule: FrameRule,
 }
-
-const MANAGED_HITS: usize = 509;
-
-/// [`ManagedHit::region`] of an address in a native module.
-const NATIVE_REGION: u32 = u32::MAX;
 
 impl WalkCache {
     pub fn new() -> Self {
         WalkCache {
             rules: CacheX86_64::new_in(),
-            managed: Box::new([ManagedHit::default(); MANAGED_HITS]),
+            known: KnownAddresses::new(),
             last: LastWalk::new(),
             leaves: LeafFunctions::new(),
             paths: WalkPaths::new(),
@@ -198,22 +195,6 @@ impl WalkCache {
     /// one place in its own code.
     pub fn remember_paths(&mut self) {
         self.paths.enable();
-    }
-
-    fn managed_hit(&self, generation: u64, address: u64) -> Option<ManagedHit> {
-        let hit = self.managed[(address % MANAGED_HITS as u64) as usize];
-        (generation != 0 && hit.generation == generation && hit.address == address).then_some(hit)
-    }
-
-    /// Where the entry for `address` would be, for a prefetch.
-    fn entry_address(&self, address: u64) -> u64 {
-        &self.managed[(address % MANAGED_HITS as u64) as usize] as *const ManagedHit as u64
-    }
-
-    fn remember_managed(&mut self, hit: ManagedHit) {
-        if hit.generation != 0 {
-            self.managed[(hit.address % MANAGED_HITS as u64) as usize] = hit;
-        }
     }
 }
 
@@ -676,10 +657,15 @@ pub fn walk_until<M: Memory>(
         let lookup = if exact { regs.ip } else { regs.ip - 1 };
         let mut unknown = false;
         let mut native_frame = false;
-        let hit = cache.managed_hit(map.generation, lookup).or_else(|| {
-            let (region, entry) = cache.leaves.find(map.generation, lookup).filter(|_| exact)?;
-            Some(ManagedHit { generation: map.generation, address: lookup, region, entry, rule: FrameRule::default() })
-        });
+        let hit = match cache.known.find(map.lineage, lookup) {
+            Some(k) => Some(ManagedHit { native: k.native, region: None, entry: k.entry, rule: k.rule }),
+            None => cache.leaves.find(map.generation, lookup).filter(|_| exact).map(|(region, entry)| ManagedHit {
+                native: false,
+                region: Some(region),
+                entry,
+                rule: FrameRule::default(),
+            }),
+        };
         // A return address met before: its rule reads the caller from the
         // stack, with no region, table or record touched. For a native frame
         // that is its row's rule, kept when the row was first looked up: at
@@ -690,10 +676,10 @@ pub fn walk_until<M: Memory>(
             Some(h) if !exact => h.rule.apply(mem, regs),
             _ => None,
         };
-        let native_hit = hit.is_some_and(|h| h.region == NATIVE_REGION);
+        let native_hit = hit.is_some_and(|h| h.native);
         let region_index = match hit {
             _ if by_rule.is_some() => None,
-            Some(h) if !native_hit => Some(h.region as usize),
+            Some(h) if !native_hit => h.region.map(|r| r as usize).or_else(|| map.managed_index_at(lookup)),
             Some(_) => None,
             None => map.managed_index_at(lookup),
         };
@@ -724,8 +710,8 @@ pub fn walk_until<M: Memory>(
                         cache.leaves.remember(map.generation, function, i as u32, entry);
                     }
                 } else if hit.is_none_or(|h| h.rule != rule) {
-                    let hit = ManagedHit { generation: map.generation, address: lookup, region: i as u32, entry, rule };
-                    cache.remember_managed(hit);
+                    let known = KnownAddress::new(lookup, entry, rule, false);
+                    cache.known.remember(map.lineage, known);
                 }
             }
             // A rule derived just now gave this very step (else it is not
@@ -746,7 +732,8 @@ pub fn walk_until<M: Memory>(
             let module = map.natives.get(h.entry as usize).filter(|m| m.code.contains(&lookup));
             let (step, rule) = native_frame_step(map, module, mem, regs, exact, cache);
             if let Some(kept) = rule.filter(|_| !exact && !h.rule.is_known()).and_then(|r| r.as_frame_rule()) {
-                cache.remember_managed(ManagedHit { rule: kept, ..h });
+                let known = KnownAddress::new(lookup, h.entry, kept, true);
+                cache.known.remember(map.lineage, known);
             }
             tracked = rule.map(Tracked::Native);
             step
@@ -756,17 +743,12 @@ pub fn walk_until<M: Memory>(
             let module = map.natives.get(index);
             native_frame = true;
             let (step, rule) = native_frame_step(map, module, mem, regs, exact, cache);
-            let hit = ManagedHit {
-                generation: map.generation,
-                address: lookup,
-                region: NATIVE_REGION,
-                // For a native frame: its module.
-                entry: index as u32,
-                // Its row's rule, for a return address (a leaf's address is
-                // seldom met again, and is looked up as itself, not less one).
-                rule: rule.filter(|_| !exact).and_then(|r| r.as_frame_rule()).unwrap_or(FrameRule::UNSUITABLE),
-            };
-            cache.remember_managed(hit);
+            // For a native frame, `entry` is its module; the rule is its
+            // row's, for a return address (a leaf's address is seldom met
+            // again, and is looked up as itself, not less one).
+            let rule_kept = rule.filter(|_| !exact).and_then(|r| r.as_frame_rule()).unwrap_or(FrameRule::UNSUITABLE);
+            let known = KnownAddress::new(lookup, index as u32, rule_kept, true);
+            cache.known.remember(map.lineage, known);
             tracked = rule.map(Tracked::Native);
             step
         } else {
@@ -839,7 +821,7 @@ const PREFETCH_FRAMES: usize = 32;
 /// stops at the first link that is not inside the stack and above the last.
 /// Only hints: what the walk reads, it reads and checks itself.
 fn prefetch_frame_chain<M: Memory>(mem: &M, cache: &WalkCache, regs: Regs) {
-    mem.prefetch(cache.entry_address(regs.ip));
+    mem.prefetch(cache.known.line_of(regs.ip));
     // The chain's links are read one after the other, each a miss of its
     // own: none past where the walk will take the thread's remembered
     // start whole.
@@ -850,7 +832,7 @@ fn prefetch_frame_chain<M: Memory>(mem: &M, cache: &WalkCache, regs: Regs) {
             break;
         }
         let (Some(next), Some(ra)) = (mem.stack_word(bp), mem.stack_word(bp.wrapping_add(8))) else { break };
-        mem.prefetch(cache.entry_address(ra.wrapping_sub(1)));
+        mem.prefetch(cache.known.line_of(ra.wrapping_sub(1)));
         below = bp.wrapping_add(16);
         bp = next;
     }
@@ -871,7 +853,7 @@ fn managed_caller<M: Memory>(
     undone_hijack: &mut Option<(u64, u64)>,
 ) -> Step {
     let caller = next.ip.wrapping_sub(1);
-    let known_managed = cache.managed_hit(map.generation, caller).is_some_and(|h| h.region != NATIVE_REGION);
+    let known_managed = cache.known.find(map.lineage, caller).is_some_and(|k| !k.native);
     if next.sp > regs.sp && !known_managed && map.managed_at(caller).is_none() {
         if let Some(real) = mem.hijacked_return(next.sp - 8, next.ip) {
             *flags |= flags::HIJACKED;
