@@ -395,15 +395,36 @@ fn duration_stops_recording_while_the_program_runs_on() {
 
 #[test]
 fn cpu_profiles_leave_out_sleeping_threads_that_wall_profiles_show() {
-    let dir = scratch("cpu-vs-wall");
+    cpu_and_wall_of_a_spinner_and_a_sleeper("cpu-vs-wall", &[]);
+}
+
+/// The same on POSIX CPU timers alone: periodic, re-armed by the kernel from
+/// their last expiry, their samples weigh the period times 1 + overrun and
+/// the handler reads the thread's clock only when it changes the period.
+/// Those weights still add up to the CPU time the spinner measured.
+#[test]
+fn cpu_timer_samples_add_up_to_the_cpu_time_a_thread_measured() {
+    cpu_and_wall_of_a_spinner_and_a_sleeper("cpu-vs-wall-timers", &["--cpu-clock", "timer"]);
+}
+
+fn cpu_and_wall_of_a_spinner_and_a_sleeper(name: &str, extra: &[&str]) {
+    let dir = scratch(name);
     let out = dir.join("p.txt");
-    let output = record(
-        Runtime::Net10,
-        "sleeper",
-        &["2"],
-        &["-f", "collapsed", "--threads", "--max-pause", "100", "-e", "cpu", "-e", "wall", "-o", out.to_str().unwrap()],
-        None,
-    );
+    let mut args = vec![
+        "-f",
+        "collapsed",
+        "--threads",
+        "--max-pause",
+        "100",
+        "-e",
+        "cpu",
+        "-e",
+        "wall",
+        "-o",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let output = record(Runtime::Net10, "sleeper", &["2"], &args, None);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let read = |kind: &str| parse_collapsed(&std::fs::read_to_string(dir.join(format!("p.{kind}.txt"))).unwrap());
     let (cpu, wall) = (read("cpu"), read("wall"));
