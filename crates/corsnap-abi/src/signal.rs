@@ -571,6 +571,18 @@ impl Memory for LiveMemory<'_> {
         hijacked_return(self.runtime_thread, &self.stack, slot, found)
     }
 
+    fn leaf_code(&self, range: std::ops::Range<u64>) -> Option<&[u8]> {
+        if range.start > range.end || range.end - range.start > 16 {
+            return None;
+        }
+        // SAFETY: the walker hands a range that starts at the interrupted
+        // instruction pointer and lies inside a managed function of a region
+        // that this map lists (found in a map of its lineage, and a lineage
+        // keeps its regions); the agent lists a managed region only while
+        // its code is mapped (see `code_bytes`).
+        Some(unsafe { std::slice::from_raw_parts(range.start as *const u8, (range.end - range.start) as usize) })
+    }
+
     fn prefetch(&self, addr: u64) {
         // SAFETY: PREFETCHT0 is a hint: it never faults, whatever the
         // address (Intel SDM vol. 2, PREFETCHh), and reads nothing back.

@@ -33,6 +33,7 @@ mod hijack;
 mod known_addresses;
 mod last_walk;
 mod leaf_functions;
+mod leaf_rules;
 mod native_table;
 pub mod process;
 #[cfg(test)]
@@ -50,6 +51,7 @@ use frame_rule::FrameRule;
 use known_addresses::{KnownAddress, KnownAddresses};
 use last_walk::{LastWalk, WalkTracker};
 use leaf_functions::LeafFunctions;
+use leaf_rules::LeafRules;
 use native_table::{CfiRule, NativeTable};
 use walk_paths::{Tracked, WalkPaths};
 
@@ -140,6 +142,16 @@ pub trait Memory {
     fn prefetch(&self, addr: u64) {
         let _ = addr;
     }
+    /// The bytes of `range`, which starts at the instruction pointer the
+    /// walk started from (the interrupted thread's own) and lies inside a
+    /// managed function of a region that the map walked lists (its lineage
+    /// listed it, and a lineage keeps its regions): to see whether an
+    /// epilogue starts there. `None` (the default) leaves the leaf to the
+    /// full lookup.
+    fn leaf_code(&self, range: Range<u64>) -> Option<&[u8]> {
+        let _ = range;
+        None
+    }
 }
 
 /// Scratch space for unwinding: framehop's rule cache and gimli's
@@ -160,6 +172,9 @@ pub struct WalkCache {
     last: LastWalk,
     /// The managed functions met lately at the leaf (see [`leaf_functions`]).
     leaves: LeafFunctions,
+    /// The stretches of code met lately at the leaf, with their rules (see
+    /// [`leaf_rules`]).
+    leaf_rules: LeafRules,
     /// The paths of walks of one's own stack (see [`walk_paths`]).
     paths: WalkPaths,
 }
@@ -184,6 +199,7 @@ impl WalkCache {
             known: KnownAddresses::new(),
             last: LastWalk::new(),
             leaves: LeafFunctions::new(),
+            leaf_rules: LeafRules::new(),
             paths: WalkPaths::new(),
         }
     }
@@ -657,15 +673,20 @@ pub fn walk_until<M: Memory>(
         let lookup = if exact { regs.ip } else { regs.ip - 1 };
         let mut unknown = false;
         let mut native_frame = false;
-        let hit = match cache.known.find(map.lineage, lookup) {
-            Some(k) => Some(ManagedHit { native: k.native, region: None, entry: k.entry, rule: k.rule }),
-            None => cache.leaves.find(map.generation, lookup).filter(|_| exact).map(|(region, entry)| ManagedHit {
-                native: false,
-                region: Some(region),
-                entry,
-                rule: FrameRule::default(),
-            }),
-        };
+        // An exact address in a stretch of code met lately: its rule, with
+        // no region, function, record or row looked up (see [`leaf_rules`]).
+        let by_leaf_rule = if exact && len == 1 { leaf_rule_step(map, mem, cache, regs) } else { None };
+        let hit =
+            if by_leaf_rule.is_some() {
+                None
+            } else {
+                match cache.known.find(map.lineage, lookup) {
+                    Some(k) => Some(ManagedHit { native: k.native, region: None, entry: k.entry, rule: k.rule }),
+                    None => cache.leaves.find(map.generation, lookup).filter(|_| exact).map(|(region, entry)| {
+                        ManagedHit { native: false, region: Some(region), entry, rule: FrameRule::default() }
+                    }),
+                }
+            };
         // A return address met before: its rule reads the caller from the
         // stack, with no region, table or record touched. For a native frame
         // that is its row's rule, kept when the row was first looked up: at
@@ -678,7 +699,7 @@ pub fn walk_until<M: Memory>(
         };
         let native_hit = hit.is_some_and(|h| h.native);
         let region_index = match hit {
-            _ if by_rule.is_some() => None,
+            _ if by_rule.is_some() || by_leaf_rule.is_some() => None,
             Some(h) if !native_hit => h.region.map(|r| r as usize).or_else(|| map.managed_index_at(lookup)),
             Some(_) => None,
             None => map.managed_index_at(lookup),
@@ -688,7 +709,14 @@ pub fn walk_until<M: Memory>(
         // it (see [`walk_paths`]).
         let mut tracked = None;
         let hijacks_before = flags & flags::HIJACKED;
-        let step = if let Some(next) = by_rule {
+        let step = if let Some((next, native)) = by_leaf_rule {
+            if native {
+                native_frame = true;
+                Step::Next(next)
+            } else {
+                managed_caller(map, mem, cache, regs, next, &mut flags, &mut undone_hijack)
+            }
+        } else if let Some(next) = by_rule {
             tracked = hit.map(|h| Tracked::Frame(h.rule));
             if native_hit {
                 native_frame = true;
@@ -703,6 +731,13 @@ pub fn walk_until<M: Memory>(
             let mut rule = hit.map_or(FrameRule::default(), |h| h.rule);
             let untried = rule.is_untried();
             let step = managed_step(region, mem, regs, exact, &mut entry, &mut rule);
+            if let (true, 1, Some(entry), Some(Step::Next(next))) = (exact, len, entry, &step) {
+                if let Some((body, rule)) =
+                    body_rule(region, mem, entry).filter(|(_, r)| r.apply(mem, regs) == Some(*next))
+                {
+                    cache.leaf_rules.remember(map.lineage, regs.ip, body, false, rule);
+                }
+            }
             if let (Some(entry), Some(i)) = (entry, region_index) {
                 if exact {
                     // An exact address is seldom met again; its function is.
@@ -730,7 +765,7 @@ pub fn walk_until<M: Memory>(
         } else if let Some(h) = hit.filter(|_| native_hit) {
             native_frame = true;
             let module = map.natives.get(h.entry as usize).filter(|m| m.code.contains(&lookup));
-            let (step, rule) = native_frame_step(map, module, mem, regs, exact, cache);
+            let (step, rule) = native_frame_step(map, module, mem, regs, exact, len == 1, cache);
             if let Some(kept) = rule.filter(|_| !exact && !h.rule.is_known()).and_then(|r| r.as_frame_rule()) {
                 let known = KnownAddress::new(lookup, h.entry, kept, true);
                 cache.known.remember(map.lineage, known);
@@ -742,7 +777,7 @@ pub fn walk_until<M: Memory>(
         } else if let Some(index) = map.native_index_at(lookup) {
             let module = map.natives.get(index);
             native_frame = true;
-            let (step, rule) = native_frame_step(map, module, mem, regs, exact, cache);
+            let (step, rule) = native_frame_step(map, module, mem, regs, exact, len == 1, cache);
             // For a native frame, `entry` is its module; the rule is its
             // row's, for a return address (a leaf's address is seldom met
             // again, and is looked up as itself, not less one).
@@ -872,19 +907,76 @@ fn signal_context<M: Memory>(mem: &M, uc: u64) -> Option<Regs> {
 /// A native frame's step: by its row in the module's table when the row has
 /// a rule (a few reads of one array, and the same rule framehop would make
 /// of that row), else by framehop.
+/// `leaf`: the walk's first frame, whose row is kept with its rule for the
+/// next samples (see [`leaf_rules`]).
 fn native_frame_step<M: Memory>(
     map: &CodeMap,
     module: Option<&NativeModule>,
     mem: &M,
     regs: Regs,
     exact: bool,
+    leaf: bool,
     cache: &mut WalkCache,
 ) -> (Step, Option<CfiRule>) {
     let lookup = if exact { regs.ip } else { regs.ip.wrapping_sub(1) };
-    if let Some(rule) = module.and_then(|m| m.table.as_ref()).and_then(|t| t.rule_at(lookup)) {
-        return (rule.caller(mem, regs).map_or(Step::Lost, Step::Next), Some(rule));
+    if let Some((rule, row)) = module.and_then(|m| m.table.as_ref()).and_then(|t| t.row_at(lookup)) {
+        let next = rule.caller(mem, regs);
+        if let (true, Some(next), Some(kept)) = (leaf && exact, next, rule.as_frame_rule()) {
+            if kept.apply(mem, regs) == Some(next) {
+                cache.leaf_rules.remember(map.lineage, regs.ip, row, true, kept);
+            }
+        }
+        return (next.map_or(Step::Lost, Step::Next), Some(rule));
     }
     (native_step(map, mem, regs, exact, cache), None)
+}
+
+/// The walk's first frame stepped by the rule of a stretch of code met
+/// lately that holds its address: a native row, or a managed function's
+/// body when no epilogue starts at the address. With whether it is native.
+fn leaf_rule_step<M: Memory>(map: &CodeMap, mem: &M, cache: &WalkCache, regs: Regs) -> Option<(Regs, bool)> {
+    let stretch = cache.leaf_rules.find(map.lineage, regs.ip)?;
+    if !stretch.native {
+        let code = mem.leaf_code(regs.ip..stretch.end.min(regs.ip.saturating_add(8)))?;
+        if leaf_rules::may_begin_epilogue(code) {
+            return None;
+        }
+    }
+    Some((stretch.rule.apply(mem, regs)?, stretch.native))
+}
+
+/// The body of the function whose `RUNTIME_FUNCTION` is at byte `entry` of
+/// `region`'s table (from the end of its prologue to its end), and the rule
+/// that steps out of it there, where its record is of the plain shape
+/// [`FrameRule`] describes.
+fn body_rule<M: Memory>(region: &ManagedCode, mem: &M, entry: u32) -> Option<(Range<u64>, FrameRule)> {
+    let at = entry as usize;
+    let (begin, end) = (table_rva(&region.functions, at)?, table_rva(&region.functions, at + 4)?);
+    let info = unwind_info(region, mem, table_rva(&region.functions, at + 8)?)?;
+    if large_frame::uses_large_frame(info) {
+        return None;
+    }
+    let prologue = u32::from(*info.get(1)?);
+    let rule = FrameRule::derive(info, prologue)?;
+    let start = region.base + u64::from(begin.checked_add(prologue)?);
+    Some((start..region.base + u64::from(end), rule))
+}
+
+/// The `UNWIND_INFO` record at `rva` of `region` (to the end of the bytes
+/// that hold it, for a copied one).
+fn unwind_info<'a, M: Memory>(region: &'a ManagedCode, mem: &'a M, rva: u32) -> Option<&'a [u8]> {
+    match &region.unwind {
+        UnwindBytes::Copied { rva: first, bytes } => {
+            let slice = bytes.get(rva.checked_sub(*first)? as usize..)?;
+            (!slice.is_empty()).then_some(slice)
+        }
+        UnwindBytes::InCode => {
+            let start = region.base.checked_add(u64::from(rva))?;
+            let header = mem.code_bytes(region, start..start.checked_add(4)?)?;
+            let len = unwind_info_len([header[0], header[1], header[2], header[3]]);
+            mem.code_bytes(region, start..start + len as u64)
+        }
+    }
 }
 
 /// For tests: a native frame at `regs` (a leaf when `exact`, else a return
@@ -1032,18 +1124,7 @@ fn managed_step<M: Memory>(
             }
             return Some(code);
         }
-        match &region.unwind {
-            UnwindBytes::Copied { rva: first, bytes } => {
-                let slice = bytes.get(r.checked_sub(*first)? as usize..)?;
-                (!slice.is_empty()).then_some(slice)
-            }
-            UnwindBytes::InCode => {
-                let start = region.base.checked_add(u64::from(r))?;
-                let header = mem.code_bytes(region, start..start.checked_add(4)?)?;
-                let len = unwind_info_len([header[0], header[1], header[2], header[3]]);
-                mem.code_bytes(region, start..start + len as u64)
-            }
-        }
+        unwind_info(region, mem, r)
     };
     if let Some(info) = memory_at_rva(function.unwind_info_address.get()) {
         if large_frame::uses_large_frame(info) {

@@ -220,6 +220,13 @@ impl NativeTable {
 
     /// The rule of the row holding `address` (actual), if it has one.
     pub(crate) fn rule_at(&self, address: u64) -> Option<CfiRule> {
+        self.row_at(address).map(|(rule, _)| rule)
+    }
+
+    /// The rule of the row holding `address` (actual), if it has one, and
+    /// the addresses the row covers (to the next row's start; the last
+    /// row, which has none, only `address` itself).
+    pub(crate) fn row_at(&self, address: u64) -> Option<(CfiRule, Range<u64>)> {
         let offset = u32::try_from(address.checked_sub(self.base)?).ok()?;
         let page = (offset >> PAGE_SHIFT) as usize;
         // Rows starting in this page lie in pages[page]..pages[page + 1]; the
@@ -230,7 +237,10 @@ impl NativeTable {
         let i = from + in_page.partition_point(|&s| s <= offset);
         let row = i.checked_sub(1)?;
         let rule = *self.rule_of.get(row)?;
-        self.rules.get(usize::from(rule)).copied()
+        let rule = self.rules.get(usize::from(rule)).copied()?;
+        let start = self.base + u64::from(*self.starts.get(row)?);
+        let end = self.starts.get(row + 1).map_or(address + 1, |&next| self.base + u64::from(next));
+        Some((rule, start..end))
     }
 
     /// Bytes held.
