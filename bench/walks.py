@@ -15,7 +15,11 @@ figures from one run, not across runs.
 
 Targets (issue 15): median at most 5 µs and p99 at most 30 µs.
 
-    python3 bench/walks.py [--rounds 5] [--seconds 5] [--runtimes 10,8] [--rate 100]
+`--baseline PATH` runs another build's `corsnap` (its agent beside it) in
+the same rounds, each program once with either build in a fresh order, and
+gives both side by side: on a shared VM only figures from one run compare.
+
+    python3 bench/walks.py [--rounds 5] [--seconds 5] [--runtimes 10,8] [--rate 100] [--baseline PATH]
 """
 import argparse, os, random, re, statistics, subprocess, tempfile
 
@@ -33,7 +37,9 @@ def main():
     ap.add_argument("--seconds", type=float, default=5)
     ap.add_argument("--rate", type=int, default=100)
     ap.add_argument("--runtimes", default="10,8")
+    ap.add_argument("--baseline", help="another build's corsnap binary, run side by side")
     args = ap.parse_args()
+    builds = [("this build", CORSNAP)] + ([("baseline", args.baseline)] if args.baseline else [])
     env, _ = prepare()
     runtimes = [r for r in args.runtimes.split(",") if r]
     runs = []
@@ -44,18 +50,18 @@ def main():
                            env=env, check=True, stdout=subprocess.DEVNULL)
             runs.append((program, rt, env[f"CORSNAP_DOTNET{rt}"], os.path.join(out, f"{program}.dll")))
     scratch = tempfile.mkdtemp(prefix="corsnap-walks-bench-")
-    results = {(p, rt): [] for p, rt, _, _ in runs}
+    results = {(b, p, rt): [] for b, _ in builds for p, rt, _, _ in runs}
     for round_ in range(args.rounds):
-        order = runs[:]
+        order = [(b, binary, *run) for b, binary in builds for run in runs]
         random.shuffle(order)
-        for program, rt, dotnet, dll in order:
-            cmd = [CORSNAP, "record", "--stats", "-r", str(args.rate), "-f", "collapsed",
+        for build, binary, program, rt, dotnet, dll in order:
+            cmd = [binary, "record", "--stats", "-r", str(args.rate), "-f", "collapsed",
                    "-o", os.path.join(scratch, "p.txt"), "--", dotnet, dll, str(args.seconds)]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             stats, samples = STATS.search(done.stderr), SAMPLES.search(done.stderr)
             if done.returncode != 0 or not stats or not samples:
                 raise SystemExit(f"{program} .NET {rt}: no statistics\n{done.stderr}")
-            results[(program, rt)].append((float(stats[1]), float(stats[2]), int(stats[3]), int(stats[4]),
+            results[(build, program, rt)].append((float(stats[1]), float(stats[2]), int(stats[3]), int(stats[4]),
                                            int(samples[1])))
         print(f"  round {round_ + 1}/{args.rounds} done", flush=True)
 
@@ -65,12 +71,14 @@ def main():
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"\nmedian of {args.rounds} rounds (range in brackets), {args.rate} Hz, {args.seconds:g} s each, "
           f"{os.cpu_count()} CPUs, load average at the end {load}\n")
-    print("| program | .NET | handler median | handler p99 | samples | incomplete | walked again |")
-    print("|---|---|---|---|---|---|---|")
+    print("| program | .NET | build | handler median | handler p99 | samples | incomplete | walked again |")
+    print("|---|---|---|---|---|---|---|---|")
     for program, rt, _, _ in runs:
-        r = results[(program, rt)]
-        print(f"| {program} | {rt} | {spread([x[0] for x in r], ' µs')} | {spread([x[1] for x in r], ' µs')} | "
-              f"{statistics.median(x[4] for x in r):.0f} | {sum(x[2] for x in r)} | {sum(x[3] for x in r)} |")
+        for build, _ in builds:
+            r = results[(build, program, rt)]
+            print(f"| {program} | {rt} | {build} | {spread([x[0] for x in r], ' µs')} | "
+                  f"{spread([x[1] for x in r], ' µs')} | {statistics.median(x[4] for x in r):.0f} | "
+                  f"{sum(x[2] for x in r)} | {sum(x[3] for x in r)} |")
     print("\ntargets (issue 15): median <= 5 µs, p99 <= 30 µs")
 
 
