@@ -12,8 +12,8 @@
 //! But a thread's samples fall again and again in the same few stretches of
 //! code, and over a stretch one rule holds: a native CFI row, or a managed
 //! function's body (past its prologue, outside its epilogues). Such a
-//! stretch is kept here with its rule, by the 16-byte granule of the
-//! address it was met at, direct-mapped: a later sample in that granule
+//! stretch is kept here with its rule, by the 16-byte granules around the
+//! address it was met at, direct-mapped: a later sample in one of them
 //! whose address lies in the stretch is stepped by the rule, after one read
 //! of the code at the address for a managed body (no epilogue starts
 //! there). Nothing is kept whose rule did not give the very step the full
@@ -39,7 +39,14 @@ struct LeafRule {
 }
 
 /// Entries (40 bytes each: 20 KiB a thread).
-const LEAF_RULES: usize = 1021;
+const LEAF_RULES: usize = 509;
+
+/// Addresses are kept by granules of this many bytes.
+const GRANULE: u64 = 16;
+
+/// How far from the address met a stretch is entered (8 granules either
+/// side: about a hot loop's length).
+const NEIGHBOURHOOD: u64 = 128;
 
 pub(crate) struct LeafRules {
     entries: Box<[LeafRule; LEAF_RULES]>,
@@ -71,18 +78,28 @@ impl LeafRules {
         })
     }
 
-    /// Keeps `stretch`, met at `ip`, with its rule.
+    /// Keeps `stretch`, met at `ip`, with its rule: in the entry of every
+    /// granule of the stretch within [`NEIGHBOURHOOD`] bytes of `ip`, since
+    /// a hot loop's samples fall on many granules of one stretch, and each
+    /// would otherwise pay the full lookup once before it could be taken.
     pub(crate) fn remember(&mut self, lineage: u64, ip: u64, stretch: Range<u64>, native: bool, rule: FrameRule) {
         let Some(lineage) = key(lineage) else { return };
         if !rule.is_known() || !stretch.contains(&ip) {
             return;
         }
-        self.entries[slot(ip)] = LeafRule { start: stretch.start, end: stretch.end, lineage, native, rule };
+        let entry = LeafRule { start: stretch.start, end: stretch.end, lineage, native, rule };
+        let from = stretch.start.max(ip.saturating_sub(NEIGHBOURHOOD)) & !(GRANULE - 1);
+        let to = stretch.end.min(ip.saturating_add(NEIGHBOURHOOD));
+        let mut at = from;
+        while at < to {
+            self.entries[slot(at)] = entry;
+            at += GRANULE;
+        }
     }
 }
 
 fn slot(ip: u64) -> usize {
-    ((ip >> 5) % LEAF_RULES as u64) as usize
+    ((ip / GRANULE) % LEAF_RULES as u64) as usize
 }
 
 /// As in [`crate::known_addresses`]: no key for the empty map's lineage, or
@@ -95,10 +112,12 @@ fn key(lineage: u64) -> Option<u32> {
 /// as far as its first bytes tell: if not, a managed function's body rule
 /// holds at that address. Errs towards yes (the full lookup then decides).
 ///
-/// An x64 epilogue (what the unwinder recognises, and what the JIT emits)
-/// is `add rsp, imm` or `lea rsp, [reg + disp]`, then `pop`s, then `ret` or
-/// a `jmp`. So any instruction that is one of those, with or without a REX
-/// prefix, and anything with another prefix, or too short to tell, counts.
+/// The full lookup (pe-unwind-info, after Windows' unwinder) takes an
+/// address for one in an epilogue only if the instruction there, after an
+/// optional REX prefix, is `add rsp, imm`, `lea rsp, [frame register +
+/// disp]`, a `pop`, `ret`, or a `jmp` (relative, or `ff /4`, `ff /5`). So
+/// every form of those counts here, whatever its operands, and so does code
+/// too short to tell.
 pub(crate) fn may_begin_epilogue(code: &[u8]) -> bool {
     let rest = match code.first() {
         Some(&b) if b & 0xf0 == 0x40 => &code[1..],
@@ -106,17 +125,14 @@ pub(crate) fn may_begin_epilogue(code: &[u8]) -> bool {
     };
     let (Some(&op), modrm) = (rest.first(), rest.get(1).copied()) else { return true };
     match op {
-        // pop reg; ret; ret imm16; jmp rel32; jmp rel8.
-        0x58..=0x5f | 0xc3 | 0xc2 | 0xe9 | 0xeb => true,
-        // add/sub/... r/m, imm: `add rsp, imm` is ModRM 0xc4.
+        // pop r64; ret; ret imm16; jmp rel32; jmp rel8; pop r/m64.
+        0x58..=0x5f | 0xc3 | 0xc2 | 0xe9 | 0xeb | 0x8f => true,
+        // add r/m64, imm: `add rsp, imm` is ModRM 0xc4.
         0x81 | 0x83 => modrm.is_none_or(|m| m == 0xc4),
         // lea with rsp as the destination (reg field 4).
         0x8d => modrm.is_none_or(|m| (m >> 3) & 7 == 4),
-        // group 5 holds jmp r/m (and call, inc, dec, push): all of it.
-        0xff => true,
-        // Prefixes (operand size, rep, segment, lock) and escapes that are
-        // not plainly something else: counted, to be safe.
-        0x66 | 0x67 | 0xf0 | 0xf2 | 0xf3 | 0x26 | 0x2e | 0x36 | 0x3e | 0x64 | 0x65 => true,
+        // Group 5: jmp r/m (reg field 4) and jmp far (5), any operand.
+        0xff => modrm.is_none_or(|m| matches!((m >> 3) & 7, 4 | 5)),
         _ => false,
     }
 }
@@ -133,7 +149,14 @@ mod tests {
         assert!(rules.find(5, 0x1010).is_some_and(|s| !s.native && s.end == 0x1040 && s.rule == rule));
         assert!(rules.find(5, 0x101f).is_some(), "same granule");
         assert!(rules.find(6, 0x1010).is_none(), "another lineage");
-        assert!(rules.find(5, 0x1020).is_none(), "another granule, not kept");
+        assert!(rules.find(5, 0x1030).is_some(), "another granule of the stretch, near the address");
+        assert!(rules.find(5, 0x1040).is_none(), "past the stretch");
+        assert!(rules.find(5, 0x0ff0).is_none(), "before the stretch");
+        // A long stretch is entered only near the address met.
+        rules.remember(5, 0x10_0000, 0x8_0000..0x20_0000, true, rule);
+        assert!(rules.find(5, 0x10_0000 + NEIGHBOURHOOD - 1).is_some());
+        assert!(rules.find(5, 0x10_0000 - NEIGHBOURHOOD).is_some());
+        assert!(rules.find(5, 0x10_0000 + 2 * NEIGHBOURHOOD).is_none());
         // Not kept: no rule, an address outside the stretch, no lineage.
         rules.remember(5, 0x2000, 0x2000..0x2010, true, FrameRule::UNSUITABLE);
         assert!(rules.find(5, 0x2000).is_none());
@@ -155,7 +178,8 @@ mod tests {
             &[0xe9, 0, 0, 0, 0],       // jmp rel32
             &[0xeb, 0xf0],             // jmp rel8
             &[0x48, 0xff, 0xe0],       // jmp rax
-            &[0xf3, 0xc3],             // rep ret
+            &[0xff, 0x25, 0, 0, 0, 0], // jmp [rip + disp]
+            &[0x8f, 0xc5],             // pop rbp, the long form
             &[0x48],                   // cut short
             &[],
         ] {
@@ -168,6 +192,9 @@ mod tests {
             &[0x0f, 0x85, 0, 0, 0, 0],     // jne
             &[0x75, 0xf0],                 // jne rel8
             &[0x48, 0x3b, 0xc1],           // cmp rax, rcx
+            &[0xff, 0x15, 0, 0, 0, 0],     // call [rip + disp]
+            &[0x66, 0x0f, 0x6f, 0x00],     // movdqa xmm0, [rax]
+            &[0x48, 0x83, 0xec, 0x28],     // sub rsp, 0x28
         ] {
             assert!(!may_begin_epilogue(code), "{code:02x?}");
         }
