@@ -334,6 +334,13 @@ pub struct CodeMap {
     natives: Vec<NativeModule>,
     unwinder: UnwinderX86_64<Bytes, MustNotAllocateDuringUnwind>,
     managed: Vec<ManagedCode>,
+    /// The start of each of `managed`'s regions, in the same order: what
+    /// the search for a leaf's region reads. A .NET process has thousands
+    /// of regions (one per method body), and a search of `managed` itself
+    /// read a separate cache line at each of its dozen steps, all cold at
+    /// 100 samples a second; eight starts share a line here, and the few
+    /// lines every search begins with stay warm.
+    managed_starts: Vec<u64>,
     /// Anonymous read-write mappings, where thread stacks live, sorted.
     stacks: Vec<Range<u64>>,
     /// glibc's `__restore_rt`: a return address equal to it marks a signal
@@ -400,6 +407,7 @@ impl CodeMap {
         CodeMap {
             natives,
             unwinder,
+            managed_starts: kept.iter().map(|m| m.code.start).collect(),
             managed: kept,
             stacks,
             sigreturn,
@@ -468,13 +476,13 @@ impl CodeMap {
 
     /// The index in `managed` of the region containing `addr`.
     fn managed_index_at(&self, addr: u64) -> Option<usize> {
-        let i = self.managed.partition_point(|m| m.code.start <= addr).checked_sub(1)?;
-        (addr < self.managed[i].code.end).then_some(i)
+        let i = self.managed_starts.partition_point(|&start| start <= addr).checked_sub(1)?;
+        (addr < self.managed.get(i)?.code.end).then_some(i)
     }
 
     /// The managed region containing `addr`.
     pub fn managed_at(&self, addr: u64) -> Option<&ManagedCode> {
-        let i = self.managed.partition_point(|m| m.code.start <= addr);
+        let i = self.managed_starts.partition_point(|&start| start <= addr);
         let m = self.managed.get(i.checked_sub(1)?)?;
         (addr < m.code.end).then_some(m)
     }
