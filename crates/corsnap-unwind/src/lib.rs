@@ -787,11 +787,13 @@ pub fn walk_until<M: Memory>(
             native_frame = true;
             let (step, rule) = native_frame_step(map, module, mem, regs, exact, len == 1, cache);
             // For a native frame, `entry` is its module; the rule is its
-            // row's, for a return address (a leaf's address is seldom met
-            // again, and is looked up as itself, not less one).
-            let rule_kept = rule.filter(|_| !exact).and_then(|r| r.as_frame_rule()).unwrap_or(FrameRule::UNSUITABLE);
-            let known = KnownAddress::new(lookup, index as u32, rule_kept, true);
-            cache.known.remember(map.lineage, known);
+            // row's. A return address only: an exact address is seldom met
+            // again (its row is kept in the leaf stretches), and would take
+            // the place of one that is.
+            if !exact {
+                let rule_kept = rule.and_then(|r| r.as_frame_rule()).unwrap_or(FrameRule::UNSUITABLE);
+                cache.known.remember(map.lineage, KnownAddress::new(lookup, index as u32, rule_kept, true));
+            }
             tracked = rule.map(Tracked::Native);
             step
         } else {
