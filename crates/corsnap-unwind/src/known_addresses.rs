@@ -105,10 +105,11 @@ impl KnownAddresses {
     }
 }
 
-/// A map's lineage as an entry holds it: none for the empty map's (0), or
-/// for one past `u32::MAX` (which never comes: one map is published per
-/// batch of code learned), so that no two lineages share a key.
-fn key(lineage: u64) -> Option<u32> {
+/// A map's lineage as an entry holds it (here and in the leaf stretches):
+/// none for the empty map's (0), or for one past `u32::MAX` (which never
+/// comes: one map is published per batch of code learned), so that no two
+/// lineages share a key.
+pub(crate) fn key(lineage: u64) -> Option<u32> {
     u32::try_from(lineage).ok().filter(|&l| l != 0)
 }
 

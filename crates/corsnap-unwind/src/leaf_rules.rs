@@ -22,6 +22,7 @@
 use std::ops::Range;
 
 use crate::frame_rule::FrameRule;
+use crate::known_addresses::key;
 
 #[derive(Debug, Clone, Copy, Default)]
 struct LeafRule {
@@ -100,12 +101,6 @@ impl LeafRules {
 
 fn slot(ip: u64) -> usize {
     ((ip / GRANULE) % LEAF_RULES as u64) as usize
-}
-
-/// As in [`crate::known_addresses`]: no key for the empty map's lineage, or
-/// for one past `u32::MAX`.
-fn key(lineage: u64) -> Option<u32> {
-    u32::try_from(lineage).ok().filter(|&l| l != 0)
 }
 
 /// Whether an epilogue can start with the instruction `code` begins with,
