@@ -162,6 +162,8 @@ fn attach_and_detach_in_a_loop_under_thread_churn_and_gc_storm() {
     let dir = scratch("torture-attach-loop");
     let cycles = 10;
     for cycle in 1..=cycles {
+        // Kept so that an agent that stays says why (seen once in CI).
+        let agent_log = dir.join(format!("agent{cycle}.log"));
         let child = Command::new(corsnap_bin())
             .args([
                 "record",
@@ -182,6 +184,8 @@ fn attach_and_detach_in_a_loop_under_thread_churn_and_gc_storm() {
                 "-o",
             ])
             .arg(dir.join(format!("p{cycle}.txt")))
+            .arg("--agent-log")
+            .arg(&agent_log)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -190,7 +194,7 @@ fn attach_and_detach_in_a_loop_under_thread_churn_and_gc_storm() {
         if !out.status.success() {
             panic!("cycle {cycle}: {}\n{}", String::from_utf8_lossy(&out.stderr), service.describe());
         }
-        service.wait_agent_gone();
+        service.wait_agent_gone_logged(Some(&agent_log));
         let left = service.signal_leftovers();
         assert!(left.is_empty(), "cycle {cycle} left behind: {left:?}");
         service.wait_heartbeats(1);

@@ -439,10 +439,20 @@ impl Service {
 
     /// Waits until the agent has left: not mapped, no thread of ours.
     pub fn wait_agent_gone(&self) {
+        self.wait_agent_gone_logged(None);
+    }
+
+    /// [`Self::wait_agent_gone`], showing the end of the agent's log (its
+    /// `--agent-log`) if it has not left: why it stayed.
+    pub fn wait_agent_gone_logged(&self, agent_log: Option<&Path>) {
         wait_for(Duration::from_secs(10), || {
             !self.agent_mapped() && !self.threads().iter().any(|t| t.starts_with("corsnap"))
         })
-        .unwrap_or_else(|| panic!("agent still present: threads {:?}", self.threads()));
+        .unwrap_or_else(|| {
+            let log = agent_log.map(|p| std::fs::read_to_string(p).unwrap_or_default()).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect();
+            panic!("agent still present: threads {:?}\nagent log, last lines:\n{}", self.threads(), tail.join("\n"))
+        });
     }
 }
 
