@@ -46,7 +46,9 @@
 //! 8. `clock_gettime(CLOCK_MONOTONIC)` is on POSIX's async-signal-safe list
 //!    (and served by the vDSO).
 //! 9. The frames go into the slot's single-producer ring with relaxed stores
-//!    and one release store; a full ring drops the sample and counts it.
+//!    and one release store; a full ring drops the sample and counts it. A
+//!    stack copy goes into a block of the shared pool, taken with a bounded
+//!    compare-and-swap and written with relaxed stores ([`copy_pool`]).
 //!
 //! The slot's walk cache and scratch buffer are touched only by the handler
 //! on the slot's own thread, and a handler never interrupts itself: `SIGPROF`
@@ -72,6 +74,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use corsnap_unwind::{CodeMap, ManagedCode, Memory, Regs, WalkCache};
+
+mod copy_pool;
+use copy_pool::POOL;
 
 /// The signal the timers raise. The runtime owns `SIGRTMIN` and several
 /// others; `SIGPROF` is free in CoreCLR and is what profilers use.
@@ -312,6 +317,17 @@ impl Drop for ThreadSlot {
     fn drop(&mut self) {
         // Freed only when no handler can touch the slot any more.
         unmap_perf_ring(*self.perf_page.get_mut());
+        // Copies its ring still names go back to the pool.
+        let ring = &self.ring;
+        let (mut t, h) = (ring.tail.load(Ordering::Acquire), ring.head.load(Ordering::Acquire));
+        while t < h {
+            let word = |i: usize| ring.words[(t + i) % RING_WORDS].load(Ordering::Relaxed);
+            let (copied, pooled) = copy_words(word(4));
+            if let Some((block, _)) = pooled {
+                POOL.release(block);
+            }
+            t += RECORD_HEAD + (word(0) & 0xffff_ffff) as usize + copied;
+        }
     }
 }
 
@@ -352,20 +368,30 @@ impl Ring {
         if free < base {
             return false;
         }
-        // A walk through unknown code is kept whole only with the copy that
-        // lets it be walked again: its callers beyond that code were guessed.
-        // Without room for the copy, the sample keeps the frames up to the
-        // unknown one and is marked lost (shown as an incomplete stack).
-        // The deep copy when it fits with room to spare for the samples
-        // that follow before the next drain, else the one to the splice.
+        // The copy's words go into a block of the shared pool when one is
+        // free (see `copy_pool`): the whole walk's depth, whatever the ring
+        // holds. Only its head (registers, splice) goes into the ring.
+        let pooled = match &copy {
+            Some(_) if free >= base + COPY_HEAD => POOL.take(),
+            _ => None,
+        };
+        // Else, into the ring. A walk through unknown code is kept whole
+        // only with the copy that lets it be walked again: its callers
+        // beyond that code were guessed. Without room for the copy, the
+        // sample keeps the frames up to the unknown one and is marked lost
+        // (shown as an incomplete stack). The deep copy when it fits with
+        // room to spare for the samples that follow before the next drain,
+        // else the one to the splice.
         let copy = copy.map(|mut c| {
-            if free < base + COPY_HEAD + c.words + RING_WORDS / 4 {
+            if pooled.is_none() && free < base + COPY_HEAD + c.words + RING_WORDS / 4 {
                 c.words = c.words.min(c.min_words);
             }
+            c.words = c.words.min(copy_pool::BLOCK_WORDS);
             c
         });
+        let in_ring = |c: &StackToCopy<'_>| if pooled.is_some() { 0 } else { c.words };
         let (frames, copy) = match copy {
-            Some(c) if free < base + COPY_HEAD + c.words => {
+            Some(c) if free < base + COPY_HEAD + in_ring(&c) => {
                 let keep = c.known_frames.min(frames.len());
                 let flags = (head[0] >> 32) as u32 | corsnap_unwind::flags::LOST;
                 head[0] = keep as u64 | u64::from(flags) << 32;
@@ -374,7 +400,16 @@ impl Ring {
             c => (frames, c),
         };
         let base = RECORD_HEAD + frames.len();
-        head[4] = copy.as_ref().map_or(0, |c| (COPY_HEAD + c.words) as u64);
+        // Word 4: the words after the frames in the ring (low 32 bits); with
+        // a pooled copy, also its length (bits 32..48) and block + 1 (48..).
+        head[4] = match (&copy, &pooled) {
+            (Some(c), Some(b)) => COPY_HEAD as u64 | (c.words as u64) << 32 | (b.index as u64 + 1) << 48,
+            (Some(c), None) => (COPY_HEAD + c.words) as u64,
+            (None, _) => 0,
+        };
+        if let (None, Some(b)) = (&copy, &pooled) {
+            POOL.release(b.index);
+        }
         for (i, &w) in head.iter().chain(frames).enumerate() {
             self.words[(h + i) % RING_WORDS].store(w, Ordering::Relaxed);
         }
@@ -385,14 +420,19 @@ impl Ring {
                 self.words[(h + n) % RING_WORDS].store(w, Ordering::Relaxed);
                 n += 1;
             }
-            for i in 0..c.words as u64 {
-                let address = c.regs.sp + 8 * i;
+            for i in 0..c.words {
+                let address = c.regs.sp + 8 * i as u64;
                 let w = match c.undone_hijack {
                     Some((slot, original)) if slot == address => original,
                     _ => c.memory.stack_word(address).unwrap_or(0),
                 };
-                self.words[(h + n) % RING_WORDS].store(w, Ordering::Relaxed);
-                n += 1;
+                match &pooled {
+                    Some(b) => b.store(i, w),
+                    None => {
+                        self.words[(h + n) % RING_WORDS].store(w, Ordering::Relaxed);
+                        n += 1;
+                    }
+                }
             }
         }
         self.head.store(h + n, Ordering::Release);
@@ -420,6 +460,14 @@ struct StackToCopy<'a> {
 /// Words before the copied stack: the registers, then the splice frame's
 /// index (`u64::MAX` for none) and stack pointer.
 const COPY_HEAD: usize = 5;
+
+/// A record's word 4: the words after its frames in the ring, and its
+/// pooled copy (block, words) if it has one (see [`Ring::push`]).
+fn copy_words(word: u64) -> (usize, Option<(usize, usize)>) {
+    let in_ring = (word & 0xffff_ffff) as usize;
+    let block = (word >> 48) as usize;
+    (in_ring, (block > 0).then(|| (block - 1, ((word >> 32) & 0xffff) as usize)))
+}
 
 /// One sample as the agent drains it.
 #[derive(Debug, Clone, Copy)]
@@ -519,12 +567,15 @@ impl ThreadSlot {
             let word = |i: usize| ring.words[(t + i) % RING_WORDS].load(Ordering::Relaxed);
             let header = word(0);
             let len = (header & 0xffff_ffff) as usize;
-            let copied = word(4) as usize;
+            let (copied, pooled) = copy_words(word(4));
             if RECORD_HEAD + len + copied > h - t {
                 break; // cannot happen: the producer publishes whole records
             }
             scratch.clear();
             scratch.extend((0..len + copied).map(|i| word(RECORD_HEAD + i)));
+            if let Some((block, words)) = pooled {
+                POOL.read_and_release(block, words, scratch);
+            }
             let (frames, rest) = scratch.split_at(len);
             let stack = (copied >= COPY_HEAD).then(|| StackCopy {
                 regs: Regs { ip: rest[0], sp: rest[1], bp: rest[2] },
@@ -1198,6 +1249,7 @@ impl SignalSampler {
             return Err(InstallError::Os(std::io::Error::last_os_error()));
         }
         let trampoline = Trampoline::get().map_err(InstallError::Os)?;
+        POOL.create();
         if previous.sa_sigaction != libc::SIG_DFL
             && previous.sa_sigaction != libc::SIG_IGN
             && previous.sa_sigaction != trampoline.entry()
@@ -1717,6 +1769,7 @@ impl SignalSampler {
                 drop(unsafe { Box::from_raw(p) });
             }
         }
+        POOL.destroy();
         true
     }
 }

@@ -579,7 +579,12 @@ impl SignalEngine {
                 .filter(|&a| !self.map.is_code(a))
                 .map(|a| format!("{a:#x}{}", if self.not_managed.contains(&a) { "(not managed)" } else { "" }))
                 .collect();
-            log::write(format_args!("walked again from its copy: unknown {}", unknown.join(" ")));
+            log::write(format_args!(
+                "walked again from its copy of {} words, drained {} µs after: unknown {}",
+                copy.words.len(),
+                signal::monotonic_ns().saturating_sub(raw.time_ns) / 1000,
+                unknown.join(" ")
+            ));
         }
         for round in 0..8 {
             let mut learned = false;
@@ -670,7 +675,11 @@ impl SignalEngine {
                     format!("{f:#x}({what})")
                 })
                 .collect();
-            log::write(format_args!("walk flags {walk_flags:#x}, thread {tid}: {}", desc.join(" ")));
+            let waited_us = signal::monotonic_ns().saturating_sub(time_ns) / 1000;
+            log::write(format_args!(
+                "walk flags {walk_flags:#x}, thread {tid}, drained {waited_us} µs after: {}",
+                desc.join(" ")
+            ));
             for &f in raw.iter().take(1) {
                 let a = lookup_address(f);
                 if self.map.managed_at(a).is_none() && self.map.native_at(a).is_none() {

@@ -159,15 +159,44 @@ fn chains(runtime: Runtime) {
         let (stacks, _) = run(runtime, "chain", &["3"], &["-r", "400"], env);
         assert_complete(&stacks, "Chain.Hot", &HOT_CHAIN, what);
         assert_complete(&stacks, "Chain.Leaf", &OSR_CHAIN, what);
-        // Ground truth: the runtime's own walker, on the same program, sees
-        // the same managed frames.
+        // Ground truth: the runtime's own walker, on the same program, never
+        // contradicts those chains. Where it stops a thread is the runtime's
+        // choice, not ours: on .NET 9 and 10 `SuspendRuntime` almost never
+        // stops this one inside Hot's loop but at the GC poll of Run's next
+        // P/Invoke (0 to 14 of 600 samples in Hot in 3-second runs, measured
+        // with the builds of this session and of the one before; .NET 8
+        // stops it in Hot about half the time). So each chain it shows must
+        // be a beginning of the expected one, and where it does reach a leaf
+        // the chain must be whole. The same-instant verification test below
+        // compares the two walkers sample by sample.
         let (truth, _) = run(runtime, "chain", &["3"], &["-r", "400", "--sampler", "suspend"], env);
-        for (leaf, expected) in [("Chain.Hot", &HOT_CHAIN[..]), ("Chain.Leaf", &OSR_CHAIN[..])] {
-            let chains = chains_ending_in(&truth, leaf);
-            let (top, _) =
-                chains.iter().max_by_key(|c| c.1).unwrap_or_else(|| panic!("{what}: DoStackSnapshot saw no {leaf}"));
-            assert_eq!(top, expected, "{what}: DoStackSnapshot's chain for {leaf}");
+        let ours = |f: &&str| f.starts_with("Chain.");
+        let mut reached = Vec::new();
+        for s in &truth {
+            let chain: Vec<&str> = managed_frames(&s.frames).into_iter().filter(ours).collect();
+            if chain.len() < 2 {
+                continue;
+            }
+            let expected = if chain[1] == "Chain.Spin" { &OSR_CHAIN[..] } else { &HOT_CHAIN[..] };
+            assert!(
+                expected.starts_with(&chain),
+                "{what}: DoStackSnapshot shows {chain:?}, not a beginning of {expected:?}:\n{}",
+                describe(&truth)
+            );
+            if chain.len() == expected.len() {
+                reached.push(chain[chain.len() - 1]);
+            }
         }
+        // Leaf's loop is stopped in reliably on every runtime.
+        assert!(
+            reached.contains(&"Chain.Leaf"),
+            "{what}: DoStackSnapshot never stopped in Chain.Leaf:\n{}",
+            describe(&truth)
+        );
+        eprintln!(
+            "{runtime:?} {what}: DoStackSnapshot stopped in Chain.Hot {} times",
+            reached.iter().filter(|l| **l == "Chain.Hot").count()
+        );
     }
 }
 

@@ -1,0 +1,177 @@
+//! Stack copies in blocks shared by every thread, not in the thread's ring.
+//!
+//! A walk that meets code not known yet keeps a copy of the stack, to be
+//! walked again once the agent has learned that code. At start-up most
+//! walks meet such code, and a copy is large: a program's main thread, deep
+//! in the host, the runtime and the JIT, copied 1,200 words on average and
+//! up to the 4,096 allowed (measured over 40 runs of `chain.cs`). In the
+//! thread's own ring (8,192 words) three or four such copies left no room
+//! for the next, whose walk was then cut at the unknown code and shown as
+//! `[incomplete stack]`: 2 to 10 samples a run, a few milliseconds of a
+//! 3-second profile, but up to 24 ms when the agent's thread waited for a
+//! core (seen in CI), which broke the 99% whole-stack test of frameless
+//! chains on .NET 9.
+//!
+//! So a copy goes into one of [`BLOCKS`] blocks of [`BLOCK_WORDS`] words,
+//! taken by whichever thread needs one and given back when the agent drains
+//! the sample. The bursts come from one or two threads at a time, so a
+//! pool shared by all holds far more copies for each of them than their
+//! rings could, for 2 MiB of address space whose pages are touched only
+//! when used. A thread that finds no free block copies into its ring as
+//! before.
+//!
+//! Async-signal-safe: taking a block is a compare-and-swap on one word
+//! (bounded retries, never a wait); writing it is relaxed stores into
+//! memory allocated before sampling began and freed only after every
+//! handler has left.
+
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
+
+/// Blocks in the pool: one bit each in [`USED`].
+pub(super) const BLOCKS: usize = 64;
+/// Words in one block: a whole copy.
+pub(super) const BLOCK_WORDS: usize = super::STACK_COPY_WORDS;
+
+/// The process's pool: the handler has no other way to reach it.
+pub(super) static POOL: CopyPool = CopyPool::new();
+
+pub(super) struct CopyPool {
+    /// Bit `i` set: block `i` holds a copy not drained yet.
+    used: AtomicU64,
+    /// The blocks, `BLOCKS * BLOCK_WORDS` words; null while no sampler is
+    /// installed.
+    words: AtomicPtr<AtomicU64>,
+}
+
+fn layout() -> std::alloc::Layout {
+    std::alloc::Layout::array::<AtomicU64>(BLOCKS * BLOCK_WORDS).expect("a fixed, small layout")
+}
+
+/// A block taken for one copy.
+pub(super) struct Block {
+    pub(super) index: usize,
+    words: &'static [AtomicU64],
+}
+
+impl Block {
+    /// Stores word `i` of the copy.
+    pub(super) fn store(&self, i: usize, word: u64) {
+        if let Some(w) = self.words.get(i) {
+            w.store(word, Ordering::Relaxed);
+        }
+    }
+}
+
+impl CopyPool {
+    pub(super) const fn new() -> CopyPool {
+        CopyPool { used: AtomicU64::new(0), words: AtomicPtr::new(std::ptr::null_mut()) }
+    }
+
+    /// Allocates the blocks (zeroed by the allocator, so their pages are
+    /// not touched until a copy lands in them). Called when the sampler is
+    /// installed, before any handler runs.
+    pub(super) fn create(&self) {
+        if !self.words.load(Ordering::SeqCst).is_null() {
+            return;
+        }
+        // SAFETY: a non-zero size; AtomicU64's all-zero bit pattern is 0.
+        let p = unsafe { std::alloc::alloc_zeroed(layout()) } as *mut AtomicU64;
+        self.used.store(0, Ordering::SeqCst);
+        self.words.store(p, Ordering::SeqCst);
+    }
+
+    /// Frees the blocks. Called only when no handler runs or can run any
+    /// more, and every slot (with the copies its ring still names) is gone.
+    pub(super) fn destroy(&self) {
+        let p = self.words.swap(std::ptr::null_mut(), Ordering::SeqCst);
+        if !p.is_null() {
+            // SAFETY: allocated in `create` with the same layout; no reader
+            // is left (see above).
+            unsafe { std::alloc::dealloc(p as *mut u8, layout()) };
+        }
+        self.used.store(0, Ordering::SeqCst);
+    }
+
+    /// Takes a free block, if there is one. From the signal handler: one
+    /// load and at most four compare-and-swaps.
+    pub(super) fn take(&self) -> Option<Block> {
+        let pool = self.words.load(Ordering::Acquire);
+        if pool.is_null() {
+            return None;
+        }
+        let mut used = self.used.load(Ordering::Relaxed);
+        for _ in 0..4 {
+            let free = !used;
+            if free == 0 {
+                return None;
+            }
+            let index = free.trailing_zeros() as usize;
+            match self.used.compare_exchange_weak(used, used | 1 << index, Ordering::Acquire, Ordering::Relaxed) {
+                Ok(_) => return Some(Block { index, words: block_words(pool, index) }),
+                Err(now) => used = now,
+            }
+        }
+        None
+    }
+
+    /// Appends the first `len` words of block `index` to `out` and gives
+    /// the block back. The agent's thread, draining a record that names it.
+    pub(super) fn read_and_release(&self, index: usize, len: usize, out: &mut Vec<u64>) {
+        let pool = self.words.load(Ordering::Acquire);
+        if index < BLOCKS && !pool.is_null() {
+            let words = block_words(pool, index);
+            out.extend(words.iter().take(len.min(BLOCK_WORDS)).map(|w| w.load(Ordering::Relaxed)));
+        }
+        self.release(index);
+    }
+
+    /// Gives block `index` back without reading it (a record never
+    /// drained, or one that did not fit in its ring after the block was
+    /// taken).
+    pub(super) fn release(&self, index: usize) {
+        if index < BLOCKS {
+            self.used.fetch_and(!(1u64 << index), Ordering::Release);
+        }
+    }
+
+    /// Blocks now holding copies.
+    #[cfg(test)]
+    pub(super) fn in_use(&self) -> u32 {
+        self.used.load(Ordering::Relaxed).count_ones()
+    }
+}
+
+/// Block `index`'s words.
+fn block_words(pool: *mut AtomicU64, index: usize) -> &'static [AtomicU64] {
+    // SAFETY: `index < BLOCKS`, so the block lies inside the allocation,
+    // which lives until `destroy`, called only once nothing can hold a
+    // block (see there).
+    unsafe { std::slice::from_raw_parts(pool.add(index * BLOCK_WORDS), BLOCK_WORDS) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_are_taken_once_each_and_come_back() {
+        let pool = CopyPool::new();
+        pool.create();
+        let taken: Vec<Block> = (0..BLOCKS).filter_map(|_| pool.take()).collect();
+        assert_eq!(taken.len(), BLOCKS);
+        assert!(pool.take().is_none(), "a 65th block");
+        taken[3].store(0, 42);
+        taken[3].store(BLOCK_WORDS, 7); // past the end: ignored
+        let mut out = Vec::new();
+        pool.read_and_release(taken[3].index, 1, &mut out);
+        assert_eq!(out, [42]);
+        let again = pool.take().expect("the block given back");
+        assert_eq!(again.index, taken[3].index);
+        for b in taken.iter().chain([&again]) {
+            pool.release(b.index);
+        }
+        assert_eq!(pool.in_use(), 0);
+        pool.destroy();
+        assert!(pool.take().is_none(), "no pool");
+    }
+}
