@@ -179,10 +179,11 @@ pub struct WalkCache {
     paths: WalkPaths,
 }
 
-/// What a walk knows of the frame at hand before stepping out of it: from
-/// [`KnownAddresses`], or for a leaf from [`LeafFunctions`].
+/// What a walk knows of the frame at hand, managed or native, before
+/// stepping out of it: from [`KnownAddresses`], or for a leaf from
+/// [`LeafFunctions`].
 #[derive(Debug, Clone, Copy)]
-struct ManagedHit {
+struct KnownFrame {
     native: bool,
     /// The frame's region's index in the map walked, when known (a leaf's;
     /// a return address's is looked up only when its rule does not serve).
@@ -689,9 +690,9 @@ pub fn walk_until<M: Memory>(
                 None
             } else {
                 match cache.known.find(map.lineage, lookup) {
-                    Some(k) => Some(ManagedHit { native: k.native, region: None, entry: k.entry, rule: k.rule }),
+                    Some(k) => Some(KnownFrame { native: k.native, region: None, entry: k.entry, rule: k.rule }),
                     None => cache.leaves.find(map.generation, lookup).filter(|_| exact).map(|(region, entry)| {
-                        ManagedHit { native: false, region: Some(region), entry, rule: FrameRule::default() }
+                        KnownFrame { native: false, region: Some(region), entry, rule: FrameRule::default() }
                     }),
                 }
             };
@@ -964,16 +965,14 @@ fn leaf_rule_step<M: Memory>(map: &CodeMap, mem: &M, cache: &WalkCache, regs: Re
 /// that steps out of it there, where its record is of the plain shape
 /// [`FrameRule`] describes.
 fn body_rule<M: Memory>(region: &ManagedCode, mem: &M, entry: u32) -> Option<(Range<u64>, FrameRule)> {
-    let at = entry as usize;
-    let (begin, end) = (table_rva(&region.functions, at)?, table_rva(&region.functions, at + 4)?);
-    let info = unwind_info(region, mem, table_rva(&region.functions, at + 8)?)?;
+    let function = function_range(region, entry)?;
+    let info = unwind_info(region, mem, table_rva(&region.functions, entry as usize + 8)?)?;
     if large_frame::uses_large_frame(info) {
         return None;
     }
-    let prologue = u32::from(*info.get(1)?);
-    let rule = FrameRule::derive(info, prologue)?;
-    let start = region.base + u64::from(begin.checked_add(prologue)?);
-    Some((start..region.base + u64::from(end), rule))
+    let prologue = *info.get(1)?;
+    let rule = FrameRule::derive(info, u32::from(prologue))?;
+    Some((function.start.checked_add(u64::from(prologue))?..function.end, rule))
 }
 
 /// The `UNWIND_INFO` record at `rva` of `region` (to the end of the bytes
