@@ -708,13 +708,7 @@ mod asyncwork {
 }
 
 mod taskfaults {
-    check!(
-        #[ignore = "issue 15: [incomplete stack] 1.01% in one fresh-clone CI run last session (walks lost in libcoreclr's native exception dispatch); passed 3 of 3 this session"]
-        net10_incomplete_at_most_1_percent,
-        TASKFAULTS,
-        Net10,
-        incomplete
-    );
+    check!(net10_incomplete_at_most_1_percent, TASKFAULTS, Net10, incomplete);
     check!(net10_unknown_code_at_most_1_percent, TASKFAULTS, Net10, unknown);
     check!(net10_pool_work_rooted_under_worker_start, TASKFAULTS, Net10, rooted);
     check!(net10_pairs_and_roots_agree_with_do_stack_snapshot, TASKFAULTS, Net10, referee);

@@ -201,7 +201,6 @@ fn chains(runtime: Runtime) {
 }
 
 #[test]
-#[ignore = "issue 15: 98.69% whole once in seven fresh-clone runs on .NET Core 3.1 (99% needed; passed the other six): samples cut short on 3.1, not investigated"]
 fn frameless_tier1_chains_and_osr_loops_come_back_whole_on_core31() {
     let (stacks, _) = run(Runtime::Core31, "chain", &["3"], &["-r", "400"], &[]);
     assert_complete(&stacks, "Chain.Hot", &HOT_CHAIN, "3.1");

@@ -76,7 +76,6 @@ fn thread_churn_while_sampling_at_1000_hz() {
 }
 
 #[test]
-#[ignore = "issue 15: on .NET 10, 0.5-2.5% of samples incomplete in about one run in four (4/398, 5/416, 11/438, 12/769 measured): stacks first met in the runtime's start-up (the JIT under ThePreStub under CoreLib code) lose their callers below the prestub"]
 fn thread_churn_stacks_incomplete_at_most_1_percent() {
     let (_, stderr, _) = storm_under_corsnap("churn", "3", &["cpu"]);
     // A thread caught half-created or half-gone can stop a walk early; that
