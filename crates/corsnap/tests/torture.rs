@@ -43,12 +43,15 @@ fn survived(stdout: &str) -> std::collections::HashMap<String, u64> {
         .collect()
 }
 
+/// `test`: the calling test's scratch directory name, its own (two tests
+/// run the same storm, in parallel).
 fn storm_under_corsnap(
+    test: &str,
     kind: &str,
     seconds: &str,
     events: &[&str],
 ) -> (std::collections::HashMap<String, u64>, String, std::path::PathBuf) {
-    let dir = scratch(&format!("torture-{kind}"));
+    let dir = scratch(&format!("torture-{test}"));
     let dll = compiled("storm", Runtime::Net10);
     let mut cmd = Command::new(corsnap_bin());
     cmd.args(["record", "--stats", "-r", "1000", "-f", "collapsed", "-o"]).arg(dir.join("p.txt"));
@@ -69,7 +72,7 @@ fn storm_under_corsnap(
 
 #[test]
 fn thread_churn_while_sampling_at_1000_hz() {
-    let (counts, _, dir) = storm_under_corsnap("churn", "3", &["cpu"]);
+    let (counts, _, dir) = storm_under_corsnap("churn", "churn", "3", &["cpu"]);
     assert!(counts["threads"] >= 1000, "{counts:?}");
     let stacks = parse_collapsed(&std::fs::read_to_string(dir.join("p.txt")).unwrap());
     assert!(count_with(&stacks, "Storm.Churn") > 0, "{}", describe(&stacks));
@@ -77,7 +80,7 @@ fn thread_churn_while_sampling_at_1000_hz() {
 
 #[test]
 fn thread_churn_stacks_incomplete_at_most_1_percent() {
-    let (_, stderr, _) = storm_under_corsnap("churn", "3", &["cpu"]);
+    let (_, stderr, _) = storm_under_corsnap("churn-incomplete", "churn", "3", &["cpu"]);
     // A thread caught half-created or half-gone can stop a walk early; that
     // must stay rare.
     let number_before = |marker: &str| -> u64 {
@@ -90,7 +93,7 @@ fn thread_churn_stacks_incomplete_at_most_1_percent() {
 
 #[test]
 fn gc_storm_while_sampling_and_naming_at_1000_hz() {
-    let (counts, stderr, dir) = storm_under_corsnap("gc", "3", &["cpu", "gc"]);
+    let (counts, stderr, dir) = storm_under_corsnap("gc", "gc", "3", &["cpu", "gc"]);
     assert!(counts["gcs"] >= 100 && counts["jitted"] >= 100, "{counts:?}");
     let gcs = parse_collapsed(&std::fs::read_to_string(dir.join("p.gc.txt")).unwrap());
     assert!(gcs.len() > 1, "{}", describe(&gcs));
@@ -101,7 +104,7 @@ fn gc_storm_while_sampling_and_naming_at_1000_hz() {
 
 #[test]
 fn exceptions_on_many_threads_are_all_recorded_while_sampling() {
-    let (counts, _, dir) = storm_under_corsnap("exceptions", "3", &["cpu", "exceptions"]);
+    let (counts, _, dir) = storm_under_corsnap("exceptions", "exceptions", "3", &["cpu", "exceptions"]);
     let exceptions = parse_collapsed(&std::fs::read_to_string(dir.join("p.exceptions.txt")).unwrap());
     let recorded: u64 = exceptions.iter().map(|s| s.count).sum();
     assert_eq!(recorded, counts["exceptions"], "every exception, exactly");
