@@ -142,8 +142,9 @@ static NOT_READY: AtomicU64 = AtomicU64::new(0);
 /// byte offset of `Thread::m_pvHJRetAddr`, which `m_ppvHJRetAddrPtr` (the
 /// stack slot it came from) follows. 0 while unknown.
 static HIJACK_FIELDS: AtomicU64 = AtomicU64::new(0);
-/// The runtime's hijack trampoline, once a hijack has been seen (a return
-/// address never equal to it is never a hijacked one). 0 while unknown.
+/// The runtime's hijack trampoline, once a hijack has been seen, for maps
+/// that did not find it in libcoreclr (a return address never equal to it
+/// is never a hijacked one). 0 while unknown.
 static HIJACK_TRAMPOLINE: AtomicU64 = AtomicU64::new(0);
 /// Native return addresses of managed frames already found not to be the
 /// trampoline, so the thread object is read once per address, not once per
@@ -321,12 +322,11 @@ impl Drop for ThreadSlot {
         let ring = &self.ring;
         let (mut t, h) = (ring.tail.load(Ordering::Acquire), ring.head.load(Ordering::Acquire));
         while t < h {
-            let word = |i: usize| ring.words[(t + i) % RING_WORDS].load(Ordering::Relaxed);
-            let (copied, pooled) = copy_words(word(4));
-            if let Some((block, _)) = pooled {
+            let record = ring.record_at(t);
+            if let Some((block, _)) = record.pooled {
                 POOL.release(block);
             }
-            t += RECORD_HEAD + (word(0) & 0xffff_ffff) as usize + copied;
+            t += record.words();
         }
     }
 }
@@ -386,12 +386,12 @@ impl Ring {
             if pooled.is_none() && free < base + COPY_HEAD + c.words + RING_WORDS / 4 {
                 c.words = c.words.min(c.min_words);
             }
-            c.words = c.words.min(copy_pool::BLOCK_WORDS);
             c
         });
-        let in_ring = |c: &StackToCopy<'_>| if pooled.is_some() { 0 } else { c.words };
+        // (A pooled copy always fits: its head was checked before the block
+        // was taken.)
         let (frames, copy) = match copy {
-            Some(c) if free < base + COPY_HEAD + in_ring(&c) => {
+            Some(c) if pooled.is_none() && free < base + COPY_HEAD + c.words => {
                 let keep = c.known_frames.min(frames.len());
                 let flags = (head[0] >> 32) as u32 | corsnap_unwind::flags::LOST;
                 head[0] = keep as u64 | u64::from(flags) << 32;
@@ -407,9 +407,6 @@ impl Ring {
             (Some(c), None) => (COPY_HEAD + c.words) as u64,
             (None, _) => 0,
         };
-        if let (None, Some(b)) = (&copy, &pooled) {
-            POOL.release(b.index);
-        }
         for (i, &w) in head.iter().chain(frames).enumerate() {
             self.words[(h + i) % RING_WORDS].store(w, Ordering::Relaxed);
         }
@@ -461,12 +458,35 @@ struct StackToCopy<'a> {
 /// index (`u64::MAX` for none) and stack pointer.
 const COPY_HEAD: usize = 5;
 
-/// A record's word 4: the words after its frames in the ring, and its
-/// pooled copy (block, words) if it has one (see [`Ring::push`]).
-fn copy_words(word: u64) -> (usize, Option<(usize, usize)>) {
-    let in_ring = (word & 0xffff_ffff) as usize;
-    let block = (word >> 48) as usize;
-    (in_ring, (block > 0).then(|| (block - 1, ((word >> 32) & 0xffff) as usize)))
+/// What a record's header and word 4 say of its extent (see [`Ring::push`]).
+struct RecordExtent {
+    frames: usize,
+    /// Words after the frames in the ring: the copy's head, and its words
+    /// when they are not pooled.
+    copied: usize,
+    /// The pooled copy: (block, words).
+    pooled: Option<(usize, usize)>,
+}
+
+impl RecordExtent {
+    /// The record's words in the ring.
+    fn words(&self) -> usize {
+        RECORD_HEAD + self.frames + self.copied
+    }
+}
+
+impl Ring {
+    /// The extent of the record that starts at word `t`.
+    fn record_at(&self, t: usize) -> RecordExtent {
+        let word = |i: usize| self.words[(t + i) % RING_WORDS].load(Ordering::Relaxed);
+        let (header, copy) = (word(0), word(4));
+        let block = (copy >> 48) as usize;
+        RecordExtent {
+            frames: (header & 0xffff_ffff) as usize,
+            copied: (copy & 0xffff_ffff) as usize,
+            pooled: (block > 0).then(|| (block - 1, ((copy >> 32) & 0xffff) as usize)),
+        }
+    }
 }
 
 /// One sample as the agent drains it.
@@ -565,19 +585,18 @@ impl ThreadSlot {
         let mut t = ring.tail.load(Ordering::Relaxed);
         while t < h {
             let word = |i: usize| ring.words[(t + i) % RING_WORDS].load(Ordering::Relaxed);
-            let header = word(0);
-            let len = (header & 0xffff_ffff) as usize;
-            let (copied, pooled) = copy_words(word(4));
-            if RECORD_HEAD + len + copied > h - t {
+            let record = ring.record_at(t);
+            if record.words() > h - t {
                 break; // cannot happen: the producer publishes whole records
             }
+            let len = record.frames;
             scratch.clear();
-            scratch.extend((0..len + copied).map(|i| word(RECORD_HEAD + i)));
-            if let Some((block, words)) = pooled {
+            scratch.extend((0..len + record.copied).map(|i| word(RECORD_HEAD + i)));
+            if let Some((block, words)) = record.pooled {
                 POOL.read_and_release(block, words, scratch);
             }
             let (frames, rest) = scratch.split_at(len);
-            let stack = (copied >= COPY_HEAD).then(|| StackCopy {
+            let stack = (record.copied >= COPY_HEAD).then(|| StackCopy {
                 regs: Regs { ip: rest[0], sp: rest[1], bp: rest[2] },
                 words: &rest[COPY_HEAD..],
                 splice: (rest[3] != u64::MAX).then_some((rest[3] as usize, rest[4])),
@@ -586,11 +605,11 @@ impl ThreadSlot {
                 weight_ns: word(1),
                 time_ns: word(2),
                 handler_ns: word(3),
-                flags: (header >> 32) as u32,
+                flags: (word(0) >> 32) as u32,
                 frames,
                 stack,
             });
-            t += RECORD_HEAD + len + copied;
+            t += record.words();
         }
         ring.tail.store(t, Ordering::Release);
     }
@@ -635,7 +654,7 @@ impl Memory for LiveMemory<'_> {
     }
 
     fn hijacked_return(&self, slot: u64, found: u64) -> Option<u64> {
-        hijacked_return(self.runtime_thread, &self.stack, slot, found)
+        hijacked_return(self.runtime_thread, &self.stack, slot, found, self.map.hijack_trampoline())
     }
 
     fn leaf_code(&self, range: std::ops::Range<u64>) -> Option<&[u8]> {
@@ -667,16 +686,29 @@ impl Memory for LiveMemory<'_> {
 /// what the slot holds now (after `UnhijackThread` both fields are left as
 /// they were, and the slot holds the original again).
 ///
+/// Only the trampoline's address is ever a hijack: the fields outlive the
+/// hijack, and a later frame whose return address sits in the same slot
+/// must not be "put back" to the old one. `known` is the trampoline as the
+/// map found it in libcoreclr's code (before sampling starts); without it,
+/// the first hijack seen teaches it, and addresses found not to be hijacks
+/// meanwhile are remembered.
+///
 /// Async-signal-safe: atomics, and one `process_vm_readv` of 16 bytes into
 /// this stack frame; nothing is dereferenced. Called only for managed
 /// frames that return into native code, and most of those addresses are
 /// remembered in [`NOT_HIJACKS`] after their first check.
-fn hijacked_return(runtime_thread: u64, stack: &std::ops::Range<u64>, slot: u64, found: u64) -> Option<u64> {
+fn hijacked_return(
+    runtime_thread: u64,
+    stack: &std::ops::Range<u64>,
+    slot: u64,
+    found: u64,
+    known: Option<u64>,
+) -> Option<u64> {
     let offset = HIJACK_FIELDS.load(Ordering::Relaxed);
     if offset == 0 || runtime_thread == 0 || found == 0 {
         return None;
     }
-    let trampoline = HIJACK_TRAMPOLINE.load(Ordering::Relaxed);
+    let trampoline = known.unwrap_or_else(|| HIJACK_TRAMPOLINE.load(Ordering::Relaxed));
     if trampoline != 0 && found != trampoline {
         return None;
     }

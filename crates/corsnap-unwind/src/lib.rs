@@ -467,6 +467,12 @@ impl CodeMap {
         self
     }
 
+    /// The hijack trampoline's address (what a hijacked return address
+    /// is), if the map knows it.
+    pub fn hijack_trampoline(&self) -> Option<u64> {
+        self.hijack_stub.as_ref().map(|s| s.range.start)
+    }
+
     pub fn natives(&self) -> &[NativeModule] {
         &self.natives
     }
@@ -899,12 +905,8 @@ fn managed_caller<M: Memory>(
     undone_hijack: &mut Option<(u64, u64)>,
 ) -> Step {
     let caller = next.ip.wrapping_sub(1);
-    // Where the trampoline is known, only its address can be a hijacked
-    // return: the thread object's record of its last hijack outlives it,
-    // and a later frame at the same slot must not be "undone" to it.
-    let may_be_hijack = map.hijack_stub.as_ref().is_none_or(|s| s.range.start == next.ip);
     let known_managed = cache.known.find(map.lineage, caller).is_some_and(|k| !k.native);
-    if may_be_hijack && next.sp > regs.sp && !known_managed && map.managed_at(caller).is_none() {
+    if next.sp > regs.sp && !known_managed && map.managed_at(caller).is_none() {
         if let Some(real) = mem.hijacked_return(next.sp - 8, next.ip) {
             *flags |= flags::HIJACKED;
             *undone_hijack = Some((next.sp - 8, real));
