@@ -202,6 +202,9 @@ pub struct ThreadSlot {
     /// The runtime's object for this thread (its `ThreadID`), 0 if none is
     /// known: where a hijacked return address is kept.
     runtime_thread: AtomicU64,
+    /// Leaf stretches the handler's walks learned, for the agent to keep
+    /// in the map's leaf table, which every thread's walks read.
+    learned: LearnedMailbox,
     /// Samples written.
     pub samples: AtomicU64,
     walking: UnsafeCell<Walking>,
@@ -230,6 +233,48 @@ struct Walking {
     stack: std::ops::Range<u64>,
     frames: [u64; MAX_FRAMES],
     cache: WalkCache,
+}
+
+/// Leaf stretches learned by a thread's walks ([`corsnap_unwind::LearnedStretch`]),
+/// on their way from its handler to the agent, which keeps them in the
+/// map's leaf table for every thread: the table's writes are locked
+/// instructions on lines other cores read, which the handler is spared.
+/// One producer (the handler, on the slot's thread) and one consumer (the
+/// agent); a full mailbox drops the stretch (a later sample learns it
+/// again).
+#[derive(Default)]
+struct LearnedMailbox {
+    /// Stretches put in, and taken out, since the slot was made.
+    head: AtomicU64,
+    tail: AtomicU64,
+    words: [[AtomicU64; 4]; LEARNED_STRETCHES],
+}
+
+/// Stretches a mailbox holds between two drains.
+const LEARNED_STRETCHES: usize = 8;
+
+impl LearnedMailbox {
+    /// In the handler: relaxed stores and one release store.
+    fn push(&self, words: [u64; 4]) {
+        let head = self.head.load(Ordering::Relaxed);
+        if head - self.tail.load(Ordering::Acquire) >= LEARNED_STRETCHES as u64 {
+            return;
+        }
+        for (cell, word) in self.words[head as usize % LEARNED_STRETCHES].iter().zip(words) {
+            cell.store(word, Ordering::Relaxed);
+        }
+        self.head.store(head + 1, Ordering::Release);
+    }
+
+    /// On the agent's thread: every stretch put in since the last take.
+    fn take(&self, mut f: impl FnMut([u64; 4])) {
+        let tail = self.tail.load(Ordering::Relaxed);
+        let head = self.head.load(Ordering::Acquire);
+        for at in tail..head {
+            f(self.words[at as usize % LEARNED_STRETCHES].each_ref().map(|w| w.load(Ordering::Relaxed)));
+        }
+        self.tail.store(head, Ordering::Release);
+    }
 }
 
 /// The handler's view of the thread's periodic CPU timer.
@@ -574,6 +619,12 @@ pub fn rewalk(
 }
 
 impl ThreadSlot {
+    /// Hands every leaf stretch this thread's walks learned since the last
+    /// call to `f` (the agent keeps them: [`CodeMap::keep_leaf_stretch`]).
+    pub fn take_learned_stretches(&self, mut f: impl FnMut(corsnap_unwind::LearnedStretch)) {
+        self.learned.take(|words| f(corsnap_unwind::LearnedStretch::from_words(words)));
+    }
+
     pub fn tid(&self) -> u32 {
         self.tid
     }
@@ -929,6 +980,9 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
     let memory = LiveMemory { stack, map, runtime_thread: slot.runtime_thread.load(Ordering::Relaxed) };
     let walk = corsnap_unwind::walk(map, &memory, regs, &mut walking.cache, &mut walking.frames);
     let time_ns = monotonic_ns();
+    if let Some(words) = walking.cache.take_learned_stretch().and_then(|s| s.to_words()) {
+        slot.learned.push(words);
+    }
     let frames = walking.frames.get(..walk.len).unwrap_or(&[]);
     let record_flags = walk.flags | if requested { REQUESTED } else { 0 };
     let header = frames.len() as u64 | u64::from(record_flags) << 32;
@@ -1475,6 +1529,7 @@ impl SignalSampler {
                 stack: 0..0,
             }),
             ring: Ring::new(),
+            learned: LearnedMailbox::default(),
             samples: AtomicU64::new(0),
             requested_samples: AtomicU64::new(0),
             dropped_full: AtomicU64::new(0),
@@ -2059,7 +2114,7 @@ mod tests {
         eprintln!("row tables: {bytes} bytes, built with the map in {:?}", started.elapsed());
         let (objects, _) = crate::process::loaded_objects();
         let mut cache = corsnap_unwind::WalkCache::new();
-        let (mut compared, mut wrong) = (0u64, Vec::new());
+        let (mut compared, mut ends, mut wrong) = (0u64, 0u64, Vec::new());
         for o in &objects {
             for &(start, len, _) in o.segments.iter().filter(|s| s.2) {
                 for address in (o.bias.wrapping_add(start)..o.bias.wrapping_add(start + len)).step_by(37) {
@@ -2073,6 +2128,7 @@ mod tests {
                             continue;
                         };
                         compared += 1;
+                        ends += u64::from(table.is_some_and(|t| t.ip == 0));
                         let same = match framehop {
                             // framehop's end of the stack: a return address of 0.
                             Some(f) if f.ip == 0 => table.is_some_and(|t| t.ip == 0),
@@ -2085,7 +2141,7 @@ mod tests {
                 }
             }
         }
-        eprintln!("{compared} frames compared");
+        eprintln!("{compared} frames compared, {ends} of them at a row that ends the stack");
         assert!(compared > 20_000, "only {compared} frames had a rule");
         assert!(wrong.is_empty(), "{wrong:#x?}");
     }

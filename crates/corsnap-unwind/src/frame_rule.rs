@@ -49,11 +49,22 @@ enum RuleState {
     /// The record is not of the shape a rule describes, or the rule did not
     /// agree with the full unwind: unwound in full each time.
     Unsuitable,
+    /// A native frame whose CFI leaves the return address undefined: the
+    /// thread's outermost frame (`clone3`, `_start`); the walk ends there.
+    Outermost,
 }
 
 impl FrameRule {
     pub(crate) const UNSUITABLE: FrameRule =
         FrameRule { state: RuleState::Unsuitable, from_bp: false, restores_bp: false, ra_at: 0, bp_at: 0 };
+
+    /// The thread's outermost frame: the walk is complete there.
+    pub(crate) const OUTERMOST: FrameRule =
+        FrameRule { state: RuleState::Outermost, from_bp: false, restores_bp: false, ra_at: 0, bp_at: 0 };
+
+    pub(crate) fn is_outermost(&self) -> bool {
+        self.state == RuleState::Outermost
+    }
 
     /// A known rule of the given shape: the return address at `ra_at` from
     /// the base (the frame pointer when `from_bp`, else the stack pointer),
@@ -155,6 +166,12 @@ impl FrameRule {
     /// Whether the rule was derived and checked (else it unwinds nothing).
     pub(crate) fn is_known(&self) -> bool {
         self.state == RuleState::Known
+    }
+
+    /// A known rule as [`FrameRule::known`] takes it: from the frame
+    /// pointer, the return address's slot, the saved frame pointer's.
+    pub(crate) fn parts(&self) -> Option<(bool, i32, Option<i32>)> {
+        self.is_known().then_some((self.from_bp, self.ra_at, self.restores_bp.then_some(self.bp_at)))
     }
 
     /// Whether the frame is found from the frame pointer (else from the

@@ -52,7 +52,8 @@ use known_addresses::{KnownAddress, KnownAddresses};
 use last_walk::{LastWalk, WalkTracker};
 use leaf_functions::LeafFunctions;
 use leaf_rules::LeafRules;
-use native_table::{CfiRule, NativeTable};
+pub use leaf_rules::LearnedStretch;
+use native_table::{NativeTable, RowRule};
 use walk_paths::{Tracked, WalkPaths};
 
 pub use hijack::{parse_hijack_stub, HijackStub, HIJACK_STUB_START};
@@ -172,11 +173,11 @@ pub struct WalkCache {
     last: LastWalk,
     /// The managed functions met lately at the leaf (see [`leaf_functions`]).
     leaves: LeafFunctions,
-    /// The stretches of code met lately at the leaf, with their rules (see
-    /// [`leaf_rules`]).
-    leaf_rules: LeafRules,
     /// The paths of walks of one's own stack (see [`walk_paths`]).
     paths: WalkPaths,
+    /// The stretch the last walk's leaf was stepped out of by its rule,
+    /// when it was looked up in full: for the map's owner to keep.
+    learned: Option<LearnedStretch>,
 }
 
 /// What a walk knows of the frame at hand, managed or native, before
@@ -200,9 +201,15 @@ impl WalkCache {
             known: KnownAddresses::new(),
             last: LastWalk::new(),
             leaves: LeafFunctions::new(),
-            leaf_rules: LeafRules::new(),
             paths: WalkPaths::new(),
+            learned: None,
         }
+    }
+
+    /// The stretch of code the last walk's leaf was found in, with its rule
+    /// (see [`leaf_rules`]), for [`CodeMap::keep_leaf_stretch`].
+    pub fn take_learned_stretch(&mut self) -> Option<LearnedStretch> {
+        self.learned.take()
     }
 
     /// Makes walks with this cache remember the paths they take from their
@@ -363,6 +370,20 @@ pub struct CodeMap {
     /// The runtime's hijack trampoline, stepped over by its prologue rather
     /// than by its (misleading) CFI.
     hijack_stub: Option<HijackStub>,
+    /// The stretches of code samples were lately taken in, with their
+    /// rules, for every thread (see [`leaf_rules`]): shared by the maps
+    /// built from this one's natives, written through `&self`
+    /// ([`CodeMap::keep_leaf_stretch`]).
+    leaf_rules: Arc<LeafRules>,
+    /// For each of `natives`, whether any managed region lies inside its
+    /// code (the runtime's stubs may be listed as regions): where none
+    /// does, an address in the module is native code with no search of the
+    /// managed regions.
+    natives_with_managed: Vec<bool>,
+    /// The start of each of `natives`' code, in the same order: what the
+    /// search for a frame's module reads (a module's entry is hundreds of
+    /// bytes, so each step of a search of `natives` was a line of its own).
+    native_starts: Vec<u64>,
 }
 
 impl std::fmt::Debug for CodeMap {
@@ -379,10 +400,21 @@ impl CodeMap {
     /// Builds a map. Overlapping managed regions keep the later one in
     /// `managed` (the newer knowledge); overlapping native modules the first.
     pub fn new(
+        natives: Vec<NativeModule>,
+        managed: Vec<ManagedCode>,
+        stacks: Vec<Range<u64>>,
+        sigreturn: u64,
+    ) -> CodeMap {
+        let leaf_rules = Arc::new(LeafRules::new(leaf_rules::LEAF_RULES));
+        CodeMap::assemble(natives, managed, stacks, sigreturn, leaf_rules)
+    }
+
+    fn assemble(
         mut natives: Vec<NativeModule>,
         mut managed: Vec<ManagedCode>,
         mut stacks: Vec<Range<u64>>,
         sigreturn: u64,
+        leaf_rules: Arc<LeafRules>,
     ) -> CodeMap {
         natives.sort_by_key(|m| m.code.start);
         natives.dedup_by(|later, earlier| later.code.start < earlier.code.end);
@@ -416,7 +448,27 @@ impl CodeMap {
             lineage: generation,
             roots: Vec::new(),
             hijack_stub: None,
+            leaf_rules,
+            natives_with_managed: Vec::new(),
+            native_starts: Vec::new(),
         }
+        .with_native_index()
+    }
+
+    /// Fills [`CodeMap::natives_with_managed`] and
+    /// [`CodeMap::native_starts`] for this map's lists.
+    fn with_native_index(mut self) -> CodeMap {
+        self.native_starts = self.natives.iter().map(|m| m.code.start).collect();
+        let overlaps = self
+            .natives
+            .iter()
+            .map(|m| {
+                let i = self.managed_starts.partition_point(|&s| s < m.code.end);
+                i.checked_sub(1).and_then(|i| self.managed.get(i)).is_some_and(|r| r.code.end > m.code.start)
+            })
+            .collect();
+        self.natives_with_managed = overlaps;
+        self
     }
 
     /// Walks end at a frame in `roots` (kept, marked complete) instead of
@@ -437,7 +489,7 @@ impl CodeMap {
     /// code changed: the map's own generation, which a walk cache's managed
     /// entries are keyed by, is new.)
     pub fn with_same_natives(&self, managed: Vec<ManagedCode>, stacks: Vec<Range<u64>>) -> CodeMap {
-        let fresh = CodeMap::new(Vec::new(), managed, stacks, self.sigreturn);
+        let fresh = CodeMap::assemble(Vec::new(), managed, stacks, self.sigreturn, self.leaf_rules.clone());
         // Both lists are sorted by address, without overlaps.
         let mut new = fresh.managed.iter().peekable();
         let kept_all = self.managed.iter().all(|old| {
@@ -459,6 +511,7 @@ impl CodeMap {
             roots: self.roots.clone(),
             ..fresh
         }
+        .with_native_index()
     }
 
     /// The map, knowing where the runtime's hijack trampoline is.
@@ -496,8 +549,22 @@ impl CodeMap {
 
     /// The index of the native module containing `addr`.
     fn native_index_at(&self, addr: u64) -> Option<usize> {
-        let i = self.natives.partition_point(|m| m.code.start <= addr).checked_sub(1)?;
+        let i = self.native_starts.partition_point(|&start| start <= addr).checked_sub(1)?;
         (addr < self.natives.get(i)?.code.end).then_some(i)
+    }
+
+    /// Keeps a stretch a walk learned (see [`WalkCache::take_learned_stretch`])
+    /// for every walk of this map and of the maps that share its natives.
+    /// Safe from any thread, at once with walks and other writers. A signal
+    /// handler hands its stretches to the agent instead (see [`leaf_rules`]).
+    pub fn keep_leaf_stretch(&self, learned: &LearnedStretch) {
+        self.leaf_rules.remember(learned);
+    }
+
+    /// Whether `addr` lies in a native module that holds no managed region:
+    /// native code, known without a search of the managed regions.
+    fn in_native_only(&self, addr: u64) -> bool {
+        self.native_index_at(addr).is_some_and(|i| self.natives_with_managed.get(i) == Some(&false))
     }
 
     /// The native module containing `addr`.
@@ -598,6 +665,7 @@ pub fn walk_until<M: Memory>(
 ) -> Walk {
     let mut len = 0;
     let mut flags = 0;
+    cache.learned = None;
     let mut regs = regs;
     // The leaf, and a context a signal frame saved, are exact instruction
     // pointers: the thread was stopped there, not in a call.
@@ -629,7 +697,7 @@ pub fn walk_until<M: Memory>(
     } else {
         cache.paths.stop();
     }
-    prefetch_frame_chain(mem, cache, regs);
+    prefetch_frame_chain(map, mem, cache, regs);
     loop {
         if regs.ip == 0 {
             flags |= flags::COMPLETE;
@@ -690,7 +758,7 @@ pub fn walk_until<M: Memory>(
         let mut native_frame = false;
         // An exact address in a stretch of code met lately: its rule, with
         // no region, function, record or row looked up (see [`leaf_rules`]).
-        let by_leaf_rule = if exact && len == 1 { leaf_rule_step(map, mem, cache, regs) } else { None };
+        let by_leaf_rule = if exact && len == 1 { leaf_rule_step(map, mem, regs) } else { None };
         let hit =
             if by_leaf_rule.is_some() {
                 None
@@ -713,10 +781,19 @@ pub fn walk_until<M: Memory>(
             _ => None,
         };
         let native_hit = hit.is_some_and(|h| h.native);
+        // A return address met before at a thread's root (its row leaves
+        // the return address undefined): the walk ends, with no row or
+        // module looked up.
+        let outermost = !exact && native_hit && hit.is_some_and(|h| h.rule.is_outermost());
         let region_index = match hit {
-            _ if by_rule.is_some() || by_leaf_rule.is_some() => None,
+            _ if by_rule.is_some() || by_leaf_rule.is_some() || outermost => None,
             Some(h) if !native_hit => h.region.map(|r| r as usize).or_else(|| map.managed_index_at(lookup)),
             Some(_) => None,
+            // In a module of native code alone, the search of the managed
+            // regions (several cold reads at 100 samples a second) is not
+            // made: for a leaf (an exact address is seldom in the walk
+            // cache), or a return address met for the first time.
+            None if map.in_native_only(lookup) => None,
             None => map.managed_index_at(lookup),
         };
         let region = region_index.and_then(|i| map.managed.get(i));
@@ -724,7 +801,10 @@ pub fn walk_until<M: Memory>(
         // it (see [`walk_paths`]).
         let mut tracked = None;
         let hijacks_before = flags & flags::HIJACKED;
-        let step = if let Some((next, native)) = by_leaf_rule {
+        let step = if outermost {
+            native_frame = true;
+            Step::Done
+        } else if let Some((next, native)) = by_leaf_rule {
             if native {
                 native_frame = true;
                 Step::Next(next)
@@ -750,7 +830,7 @@ pub fn walk_until<M: Memory>(
                 if let Some((body, rule)) =
                     body_rule(region, mem, entry).filter(|(_, r)| r.apply(mem, regs) == Some(*next))
                 {
-                    cache.leaf_rules.remember(map.lineage, regs.ip, body, false, rule);
+                    cache.learned = Some(LearnedStretch::new(map.lineage, regs.ip, body, false, rule));
                 }
             }
             if let (Some(entry), Some(i)) = (entry, region_index) {
@@ -781,11 +861,11 @@ pub fn walk_until<M: Memory>(
             native_frame = true;
             let module = map.natives.get(h.entry as usize).filter(|m| m.code.contains(&lookup));
             let (step, rule) = native_frame_step(map, module, mem, regs, exact, len == 1, cache);
-            if let Some(kept) = rule.filter(|_| !exact && !h.rule.is_known()).and_then(|r| r.as_frame_rule()) {
+            if let Some(kept) = rule.filter(|_| !exact && !h.rule.is_known()).and_then(|r| r.kept()) {
                 let known = KnownAddress::new(lookup, h.entry, kept, true);
                 cache.known.remember(map.lineage, known);
             }
-            tracked = rule.map(Tracked::Native);
+            tracked = rule.and_then(|r| r.step_rule()).map(Tracked::Native);
             step
         } else if let Some(stub) = map.hijack_stub.as_ref().filter(|s| s.range.contains(&lookup)) {
             hijack_stub_step(map, mem, regs, exact, stub)
@@ -798,10 +878,10 @@ pub fn walk_until<M: Memory>(
             // again (its row is kept in the leaf stretches), and would take
             // the place of one that is.
             if !exact {
-                let rule_kept = rule.and_then(|r| r.as_frame_rule()).unwrap_or(FrameRule::UNSUITABLE);
+                let rule_kept = rule.and_then(|r| r.kept()).unwrap_or(FrameRule::UNSUITABLE);
                 cache.known.remember(map.lineage, KnownAddress::new(lookup, index as u32, rule_kept, true));
             }
-            tracked = rule.map(Tracked::Native);
+            tracked = rule.and_then(|r| r.step_rule()).map(Tracked::Native);
             step
         } else {
             unknown = true;
@@ -872,8 +952,9 @@ const PREFETCH_FRAMES: usize = 32;
 /// chain is not a chain (a frame pointer used as a plain register), it
 /// stops at the first link that is not inside the stack and above the last.
 /// Only hints: what the walk reads, it reads and checks itself.
-fn prefetch_frame_chain<M: Memory>(mem: &M, cache: &WalkCache, regs: Regs) {
+fn prefetch_frame_chain<M: Memory>(map: &CodeMap, mem: &M, cache: &WalkCache, regs: Regs) {
     mem.prefetch(cache.known.line_of(regs.ip));
+    mem.prefetch(map.leaf_rules.line_of(regs.ip));
     // The chain's links are read one after the other, each a miss of its
     // own: none past where the walk will take the thread's remembered
     // start whole.
@@ -934,25 +1015,29 @@ fn native_frame_step<M: Memory>(
     exact: bool,
     leaf: bool,
     cache: &mut WalkCache,
-) -> (Step, Option<CfiRule>) {
+) -> (Step, Option<RowRule>) {
     let lookup = if exact { regs.ip } else { regs.ip.wrapping_sub(1) };
-    if let Some((rule, row)) = module.and_then(|m| m.table.as_ref()).and_then(|t| t.row_at(lookup)) {
-        let next = rule.caller(mem, regs);
-        if let (true, Some(next), Some(kept)) = (leaf && exact, next, rule.as_frame_rule()) {
-            if kept.apply(mem, regs) == Some(next) {
-                cache.leaf_rules.remember(map.lineage, regs.ip, row, true, kept);
+    match module.and_then(|m| m.table.as_ref()).and_then(|t| t.row_at(lookup)) {
+        Some((RowRule::Step(rule), row)) => {
+            let next = rule.caller(mem, regs);
+            if let (true, Some(next), Some(kept)) = (leaf && exact, next, rule.as_frame_rule()) {
+                if kept.apply(mem, regs) == Some(next) {
+                    cache.learned = Some(LearnedStretch::new(map.lineage, regs.ip, row, true, kept));
+                }
             }
+            (next.map_or(Step::Lost, Step::Next), Some(RowRule::Step(rule)))
         }
-        return (next.map_or(Step::Lost, Step::Next), Some(rule));
+        // The CFI says nothing called this frame: the thread's root.
+        Some((RowRule::EndOfStack, _)) => (Step::Done, Some(RowRule::EndOfStack)),
+        None => (native_step(map, mem, regs, exact, cache), None),
     }
-    (native_step(map, mem, regs, exact, cache), None)
 }
 
 /// The walk's first frame stepped by the rule of a stretch of code met
 /// lately that holds its address: a native row, or a managed function's
 /// body when no epilogue starts at the address. With whether it is native.
-fn leaf_rule_step<M: Memory>(map: &CodeMap, mem: &M, cache: &WalkCache, regs: Regs) -> Option<(Regs, bool)> {
-    let stretch = cache.leaf_rules.find(map.lineage, regs.ip)?;
+fn leaf_rule_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs) -> Option<(Regs, bool)> {
+    let stretch = map.leaf_rules.find(map.lineage, regs.ip)?;
     if !stretch.native {
         let code = mem.leaf_code(regs.ip..stretch.end.min(regs.ip.saturating_add(8)))?;
         if leaf_rules::may_begin_epilogue(code) {
@@ -1006,13 +1091,18 @@ pub fn native_frame_both_ways<M: Memory>(
     cache: &mut WalkCache,
 ) -> Option<(Option<Regs>, Option<Regs>)> {
     let lookup = if exact { regs.ip } else { regs.ip.wrapping_sub(1) };
-    let rule = map.native_at(lookup)?.table.as_ref()?.rule_at(lookup)?;
+    let (row, _) = map.native_at(lookup)?.table.as_ref()?.row_at(lookup)?;
     let framehop = match native_step(map, mem, regs, exact, cache) {
         Step::Next(next) => Some(next),
         Step::Done => Some(Regs { ip: 0, ..regs }),
         Step::Lost => None,
     };
-    Some((rule.caller(mem, regs), framehop))
+    let table = match row {
+        RowRule::Step(rule) => rule.caller(mem, regs),
+        // The end of the stack, as framehop's is given above.
+        RowRule::EndOfStack => Some(Regs { ip: 0, ..regs }),
+    };
+    Some((table, framehop))
 }
 
 /// The size of the native modules' row tables, in bytes.

@@ -31,6 +31,35 @@ use crate::{Memory, Regs};
 /// Rows of the table carry this in place of a rule: no row there, or one
 /// no rule describes.
 const NO_RULE: u16 = u16::MAX;
+/// Rows whose CFI leaves the return address undefined carry this: the
+/// outermost frame of a thread (`clone3`, `_start`), where a walk ends.
+const END_OF_STACK: u16 = u16::MAX - 1;
+
+/// How to step out of a row's code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RowRule {
+    Step(CfiRule),
+    /// The thread's outermost frame: nothing calls it.
+    EndOfStack,
+}
+
+impl RowRule {
+    /// The row's step, when it has one.
+    pub(crate) fn step_rule(&self) -> Option<CfiRule> {
+        match self {
+            RowRule::Step(rule) => Some(*rule),
+            RowRule::EndOfStack => None,
+        }
+    }
+
+    /// What the walk cache keeps for a return address in this row.
+    pub(crate) fn kept(&self) -> Option<FrameRule> {
+        match self {
+            RowRule::Step(rule) => rule.as_frame_rule(),
+            RowRule::EndOfStack => Some(FrameRule::OUTERMOST),
+        }
+    }
+}
 /// The page index's granularity (4 KiB of code a page).
 const PAGE_SHIFT: u32 = 12;
 
@@ -175,8 +204,11 @@ impl NativeTable {
                 if start > covered_to && !table.starts.is_empty() {
                     table.push(covered_to, NO_RULE); // a gap between FDEs
                 }
-                let rule = CfiRule::from_row(row);
-                let index = table.rule_index(rule);
+                let index = if row.register(X86_64::RA) == Some(RegisterRule::Undefined) {
+                    END_OF_STACK
+                } else {
+                    table.rule_index(CfiRule::from_row(row))
+                };
                 table.push(start, index);
                 covered_to = end;
             }
@@ -202,7 +234,7 @@ impl NativeTable {
         if let Some(i) = self.rules.iter().position(|r| *r == rule) {
             return i as u16;
         }
-        if self.rules.len() >= usize::from(NO_RULE) {
+        if self.rules.len() >= usize::from(END_OF_STACK) {
             return NO_RULE;
         }
         self.rules.push(rule);
@@ -218,15 +250,10 @@ impl NativeTable {
         self.rule_of.push(rule);
     }
 
-    /// The rule of the row holding `address` (actual), if it has one.
-    pub(crate) fn rule_at(&self, address: u64) -> Option<CfiRule> {
-        self.row_at(address).map(|(rule, _)| rule)
-    }
-
-    /// The rule of the row holding `address` (actual), if it has one, and
-    /// the addresses the row covers (to the next row's start; the last
+    /// The rule of the row holding `address` (actual), if it has one (a
+    /// step, or the end of the stack), and the addresses the row covers (to the next row's start; the last
     /// row, which has none, only `address` itself).
-    pub(crate) fn row_at(&self, address: u64) -> Option<(CfiRule, Range<u64>)> {
+    pub(crate) fn row_at(&self, address: u64) -> Option<(RowRule, Range<u64>)> {
         let offset = u32::try_from(address.checked_sub(self.base)?).ok()?;
         let page = (offset >> PAGE_SHIFT) as usize;
         // Rows starting in this page lie in pages[page]..pages[page + 1]; the
@@ -236,8 +263,10 @@ impl NativeTable {
         let in_page = self.starts.get(from..to)?;
         let i = from + in_page.partition_point(|&s| s <= offset);
         let row = i.checked_sub(1)?;
-        let rule = *self.rule_of.get(row)?;
-        let rule = self.rules.get(usize::from(rule)).copied()?;
+        let rule = match *self.rule_of.get(row)? {
+            END_OF_STACK => RowRule::EndOfStack,
+            index => RowRule::Step(self.rules.get(usize::from(index)).copied()?),
+        };
         let start = self.base + u64::from(*self.starts.get(row)?);
         let end = self.starts.get(row + 1).map_or(address + 1, |&next| self.base + u64::from(next));
         Some((rule, start..end))
