@@ -49,6 +49,10 @@
 //!    and one release store; a full ring drops the sample and counts it. A
 //!    stack copy goes into a block of the shared pool, taken with a bounded
 //!    compare-and-swap and written with relaxed stores ([`copy_pool`]).
+//!    A stretch of code the walk learned at its leaf goes into the slot's
+//!    mailbox for the agent the same way (relaxed stores, one release
+//!    store; a full mailbox drops it): the handler writes nothing that other
+//!    threads' handlers read ([`LearnedMailbox`]).
 //!
 //! The slot's walk cache and scratch buffer are touched only by the handler
 //! on the slot's own thread, and a handler never interrupts itself: `SIGPROF`
