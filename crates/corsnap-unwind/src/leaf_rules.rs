@@ -63,10 +63,11 @@ const END_MASK: u64 = (1 << 56) - 1;
 
 /// The stretches of code samples were lately taken in, with their rules,
 /// for every thread of the process (a stretch's rule is the code's, not a
-/// thread's): direct-mapped by granule. Written by signal handlers on any
-/// thread at once, so each entry is a sequence lock of plain atomics: a
-/// writer claims it by moving its sequence from even to odd (and gives up
-/// if another writer holds it), a reader takes what it read only if the
+/// thread's): direct-mapped by granule. Read by every thread's walks and
+/// written by any thread but a signal handler (the agent, event
+/// callbacks), so each entry is a sequence lock of plain atomics: a writer
+/// claims it by moving its sequence from even to odd (and gives up if
+/// another writer holds it), a reader takes what it read only if the
 /// sequence was even and the same before and after. Nothing blocks, nothing
 /// allocates; a lost race only loses an entry, which the full lookup
 /// serves.
