@@ -606,6 +606,11 @@ pub fn rewalk(
     let (frames, original_flags) = original;
     let splice = copy.splice.and_then(|(i, sp)| Some((i, frames.get(i)? & !corsnap_unwind::EXACT_IP, sp)));
     let mut walk = corsnap_unwind::walk_until(map, &memory, copy.regs, cache, out, splice.map(|(_, ip, sp)| (ip, sp)));
+    // On the agent's thread, not in a handler: what the leaf taught is kept
+    // at once.
+    if let Some(learned) = cache.take_learned_stretch() {
+        map.keep_leaf_stretch(&learned);
+    }
     if let (true, Some((i, ..))) = (walk.flags & flags::REACHED != 0, splice) {
         let rest = &frames[i..];
         let n = rest.len().min(out.len() - walk.len);

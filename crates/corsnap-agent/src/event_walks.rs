@@ -282,9 +282,6 @@ impl EventWalker {
             let mut out = vec![0u64; signal::MAX_FRAMES];
             let walk =
                 signal::rewalk(&self.map, &copy.as_stack_copy(), (raw, walk_flags), &mut self.rewalk_cache, &mut out);
-            if let Some(learned) = self.rewalk_cache.take_learned_stretch() {
-                self.map.keep_leaf_stretch(&learned);
-            }
             out.truncate(walk.len);
             let leading = out.iter().take_while(|&&f| self.map.native_at(lookup_address(f)).is_some()).count();
             out.drain(..leading);

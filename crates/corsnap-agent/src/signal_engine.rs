@@ -614,9 +614,6 @@ impl SignalEngine {
             }
             let mut out = vec![0u64; signal::MAX_FRAMES];
             let walk = signal::rewalk(&self.map, &copy, (&original.0, original.1), &mut self.rewalk_cache, &mut out);
-            if let Some(learned) = self.rewalk_cache.take_learned_stretch() {
-                self.map.keep_leaf_stretch(&learned);
-            }
             out.truncate(walk.len);
             raw.frames = out;
             raw.flags = walk.flags;
