@@ -312,6 +312,9 @@ impl SamplerLoop {
             if self.records_events {
                 deadline = earliest(deadline, Some(now + SEND_EVERY));
             }
+            if self.verify.is_some() && self.signal.is_some() {
+                deadline = earliest(deadline, Some(next_verify));
+            }
             let wake = self.shared.signal.wait(deadline);
             if let Some(reason) = wake.stop {
                 break reason;
@@ -331,8 +334,12 @@ impl SamplerLoop {
                 }
             }
             if self.verify.is_some() && self.signal.is_some() && Instant::now() >= next_verify {
-                next_verify = Instant::now() + VERIFY_EVERY;
-                self.verify_round();
+                // A round the runtime would not suspend for (a collection
+                // under way: gcstop.cs collects without pause) is tried
+                // again soon, so that a busy machine's rounds are not lost
+                // to the collections' timing.
+                let suspended = self.verify_round();
+                next_verify = Instant::now() + if suspended { VERIFY_EVERY } else { VERIFY_RETRY };
             }
             self.publish_events();
             let posted = std::mem::take(&mut *self.shared.outbox.lock().unwrap_or_else(|p| p.into_inner()));
@@ -358,7 +365,10 @@ impl SamplerLoop {
                  managed frames, {} not compared (the sample came after the resume)",
                 v.compared, v.identical, v.late
             );
-            log::write(format_args!("{text}"));
+            log::write(format_args!(
+                "{text}; {} rounds, {} of them not suspended; {} snapshots failed; {} threads without a sample",
+                v.rounds, v.suspend_failed, v.snapshot_failed, v.no_sample
+            ));
             self.recorder.channel.queue(&Message::Notice { severity: corsnap_wire::Severity::Info, text });
         }
         if let Some(signal) = self.signal.as_mut() {
@@ -405,12 +415,19 @@ impl SamplerLoop {
     /// after the resume, the two lists of managed frames are compared. The
     /// suspended part allocates nothing (preallocated buffers) and takes no
     /// lock.
-    fn verify_round(&mut self) {
+    ///
+    /// Returns whether the runtime was suspended.
+    fn verify_round(&mut self) -> bool {
         let info = self.shared.info;
-        let (Some(signal), Some(verify)) = (self.signal.as_ref(), self.verify.as_mut()) else { return };
+        let (Some(signal), Some(verify)) = (self.signal.as_ref(), self.verify.as_mut()) else { return true };
         let engine = &signal.engine;
-        if info.suspend_runtime().is_err() {
-            return;
+        verify.rounds += 1;
+        if let Err(e) = info.suspend_runtime() {
+            if verify.suspend_failed == 0 {
+                log::write(format_args!("walk verification: SuspendRuntime failed: {e}"));
+            }
+            verify.suspend_failed += 1;
+            return false;
         }
         self.shared.gate.begin_walk();
         verify.pending.clear();
@@ -442,7 +459,7 @@ impl SamplerLoop {
         if let Err(e) = resumed {
             log::write(format_args!("ResumeRuntime failed: {e}"));
         }
-        let Some(signal) = self.signal.as_mut() else { return };
+        let Some(signal) = self.signal.as_mut() else { return true };
         signal.collect(&mut self.recorder, false);
         let ours: HashMap<u32, Vec<u64>> = signal
             .engine
@@ -467,8 +484,16 @@ impl SamplerLoop {
             if !in_time {
                 continue;
             }
-            let Some(ours) = ours.get(&record.os_tid) else { continue };
+            let Some(ours) = ours.get(&record.os_tid) else {
+                if let Some(v) = self.verify.as_mut() {
+                    v.no_sample += 1;
+                }
+                continue;
+            };
             if record.status < 0 || record.truncated {
+                if let Some(v) = self.verify.as_mut() {
+                    v.snapshot_failed += 1;
+                }
                 continue;
             }
             let truth: Vec<u64> =
@@ -491,6 +516,7 @@ impl SamplerLoop {
             }
         }
         self.suspend.buffers.stacks = stacks;
+        true
     }
 
     /// Sends what the runtime's callbacks queued: exceptions, class loads,
@@ -647,7 +673,14 @@ struct WalkVerification {
     /// resumed: not compared.
     late: u64,
     logged: u32,
+    /// Why stacks went uncompared, for the agent's log.
+    rounds: u64,
+    suspend_failed: u64,
+    snapshot_failed: u64,
+    no_sample: u64,
 }
 
 /// How often a verification round runs.
 const VERIFY_EVERY: Duration = Duration::from_millis(250);
+/// How soon a round the runtime would not suspend for is tried again.
+const VERIFY_RETRY: Duration = Duration::from_millis(5);
