@@ -200,8 +200,9 @@ pub struct SignalEngine {
     not_managed: HashSet<u64>,
     mono_epoch_ns: u64,
     /// `CORSNAP_DEBUG_WALKS`: log every 50th raw walk with what each
-    /// address is.
+    /// address is (every walk when set to `all`).
     debug_walks: bool,
+    debug_every_walk: bool,
     scratch: Vec<u64>,
     handler_times: Vec<u64>,
     handler_next: usize,
@@ -299,6 +300,7 @@ impl SignalEngine {
             not_managed: HashSet::new(),
             mono_epoch_ns,
             debug_walks: std::env::var_os("CORSNAP_DEBUG_WALKS").is_some(),
+            debug_every_walk: std::env::var_os("CORSNAP_DEBUG_WALKS").is_some_and(|v| v == "all"),
             scratch: Vec::with_capacity(signal::MAX_FRAMES),
             handler_times: Vec::with_capacity(4096),
             handler_next: 0,
@@ -582,8 +584,10 @@ impl SignalEngine {
                 .map(|a| format!("{a:#x}{}", if self.not_managed.contains(&a) { "(not managed)" } else { "" }))
                 .collect();
             log::write(format_args!(
-                "walked again from its copy of {} words, drained {} µs after: unknown {}",
+                "walked again from its copy of {} words (flags {:#x}, {:x?}), drained {} µs after: unknown {}",
                 copy.words.len(),
+                raw.flags,
+                raw.frames,
                 signal::monotonic_ns().saturating_sub(raw.time_ns) / 1000,
                 unknown.join(" ")
             ));
@@ -660,7 +664,8 @@ impl SignalEngine {
         let mut frames = Vec::with_capacity(raw.len() + 1);
         let mut il_offsets = Vec::with_capacity(raw.len() + 1);
         if self.debug_walks
-            && (self.samples.is_multiple_of(50)
+            && (self.debug_every_walk
+                || self.samples.is_multiple_of(50)
                 || walk_flags & (flags::UNKNOWN_CODE | flags::LOST | signal::REQUESTED) != 0)
         {
             let desc: Vec<String> = raw

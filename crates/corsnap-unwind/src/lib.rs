@@ -698,6 +698,7 @@ pub fn walk_until<M: Memory>(
         cache.paths.stop();
     }
     prefetch_frame_chain(map, mem, cache, regs);
+    let trampoline = map.hijack_trampoline();
     loop {
         if regs.ip == 0 {
             flags |= flags::COMPLETE;
@@ -721,6 +722,15 @@ pub fn walk_until<M: Memory>(
                     break;
                 }
             }
+        }
+        // A return address that is the hijack trampoline's first byte, and
+        // was not put back (the memory could not say what it replaced): the
+        // real caller is unknown, and the code before the trampoline, whose
+        // row a lookup would find, is no caller at all. The walk stops
+        // rather than invent one.
+        if !exact && trampoline == Some(regs.ip) {
+            flags |= flags::LOST;
+            break;
         }
         let Some(slot) = out.get_mut(len) else {
             flags |= flags::TRUNCATED;
@@ -854,7 +864,8 @@ pub fn walk_until<M: Memory>(
                 Some(step) => step,
                 None => {
                     unknown = true;
-                    unknown_step(map, mem, regs, exact)
+                    let step = unknown_step(map, mem, regs, exact);
+                    hijack_undone(map, mem, cache, regs, step, &mut flags, &mut undone_hijack)
                 }
             }
         } else if let Some(h) = hit.filter(|_| native_hit) {
@@ -885,7 +896,8 @@ pub fn walk_until<M: Memory>(
             step
         } else {
             unknown = true;
-            unknown_step(map, mem, regs, exact)
+            let step = unknown_step(map, mem, regs, exact);
+            hijack_undone(map, mem, cache, regs, step, &mut flags, &mut undone_hijack)
         };
         if unknown {
             flags |= flags::UNKNOWN_CODE;
@@ -995,6 +1007,29 @@ fn managed_caller<M: Memory>(
         }
     }
     Step::Next(next)
+}
+
+/// A step over unknown code (a managed function the map does not list
+/// yet, stepped over by its frame pointer or return address): if it lands
+/// on the hijack trampoline, the runtime hijacked that frame's return
+/// address, and it is put back as for a managed frame's step. Only for the
+/// trampoline known from libcoreclr's code: learning it from a guess about
+/// unknown code could take a stale hijack for a live one.
+fn hijack_undone<M: Memory>(
+    map: &CodeMap,
+    mem: &M,
+    cache: &WalkCache,
+    regs: Regs,
+    step: Step,
+    flags: &mut u32,
+    undone_hijack: &mut Option<(u64, u64)>,
+) -> Step {
+    match step {
+        Step::Next(next) if map.hijack_trampoline() == Some(next.ip) => {
+            managed_caller(map, mem, cache, regs, next, flags, undone_hijack)
+        }
+        step => step,
+    }
 }
 
 fn signal_context<M: Memory>(mem: &M, uc: u64) -> Option<Regs> {
