@@ -287,12 +287,10 @@ pub fn walk_own_stack<R>(
     let Walker { cache, words, counts, .. } = walker;
     let out = &mut words[HEAD_ROOM..];
     let mut walk = corsnap_unwind::walk(map, &memory, regs, cache, out);
-    // Not in a signal handler: the callback's thread keeps what its leaf
-    // taught (one stretch at most, and only when the leaf was looked up in
-    // full; a later event from the same place takes its path instead).
-    if let Some(learned) = cache.take_learned_stretch() {
-        map.keep_leaf_stretch(&learned);
-    }
+    // Not in a signal handler: the callback's thread keeps what the walk
+    // taught (one leaf stretch at most, and the return addresses looked up
+    // in full; a later event from the same place takes its path instead).
+    map.keep_learned(cache);
     for (count, add) in counts.iter_mut().zip([1, walk.len, walk.path_frames, walk.rest_frames]) {
         *count += add as u64;
     }

@@ -49,10 +49,11 @@
 //!    and one release store; a full ring drops the sample and counts it. A
 //!    stack copy goes into a block of the shared pool, taken with a bounded
 //!    compare-and-swap and written with relaxed stores ([`copy_pool`]).
-//!    A stretch of code the walk learned at its leaf goes into the slot's
-//!    mailbox for the agent the same way (relaxed stores, one release
-//!    store; a full mailbox drops it): the handler writes nothing that other
-//!    threads' handlers read ([`LearnedMailbox`]).
+//!    A stretch of code the walk learned at its leaf, and the return
+//!    addresses it looked up in full, go into the slot's mailboxes for the
+//!    agent the same way (relaxed stores, one release store; a full mailbox
+//!    drops them): the handler writes nothing that other threads' handlers
+//!    read ([`LearnedMailbox`]).
 //!
 //! The slot's walk cache and scratch buffer are touched only by the handler
 //! on the slot's own thread, and a handler never interrupts itself: `SIGPROF`
@@ -208,7 +209,11 @@ pub struct ThreadSlot {
     runtime_thread: AtomicU64,
     /// Leaf stretches the handler's walks learned, for the agent to keep
     /// in the map's leaf table, which every thread's walks read.
-    learned: LearnedMailbox,
+    learned: LearnedMailbox<4, LEARNED_STRETCHES>,
+    /// Return addresses the handler's walks looked up in full, for the
+    /// agent to keep in the map's table of them, which every thread's walks
+    /// read.
+    learned_addresses: LearnedMailbox<3, LEARNED_ADDRESSES>,
     /// Samples written.
     pub samples: AtomicU64,
     walking: UnsafeCell<Walking>,
@@ -239,43 +244,58 @@ struct Walking {
     cache: WalkCache,
 }
 
-/// Leaf stretches learned by a thread's walks ([`corsnap_unwind::LearnedStretch`]),
-/// on their way from its handler to the agent, which keeps them in the
-/// map's leaf table for every thread: the table's writes are locked
+/// What a thread's walks learned (leaf stretches,
+/// [`corsnap_unwind::LearnedStretch`]; return addresses,
+/// [`corsnap_unwind::WalkCache::take_learned_addresses`]), as records of `W`
+/// words on their way from its handler to the agent, which keeps them in
+/// the map's tables for every thread: the tables' writes are locked
 /// instructions on lines other cores read, which the handler is spared.
 /// One producer (the handler, on the slot's thread) and one consumer (the
-/// agent); a full mailbox drops the stretch (a later sample learns it
-/// again).
-#[derive(Default)]
-struct LearnedMailbox {
-    /// Stretches put in, and taken out, since the slot was made.
+/// agent), `N` records; a full mailbox drops the record (a later sample
+/// learns it again).
+struct LearnedMailbox<const W: usize, const N: usize> {
+    /// Records put in, and taken out, since the slot was made.
     head: AtomicU64,
     tail: AtomicU64,
-    words: [[AtomicU64; 4]; LEARNED_STRETCHES],
+    words: [[AtomicU64; W]; N],
+}
+
+impl<const W: usize, const N: usize> Default for LearnedMailbox<W, N> {
+    fn default() -> Self {
+        LearnedMailbox {
+            head: AtomicU64::new(0),
+            tail: AtomicU64::new(0),
+            words: std::array::from_fn(|_| std::array::from_fn(|_| AtomicU64::new(0))),
+        }
+    }
 }
 
 /// Stretches a mailbox holds between two drains.
 const LEARNED_STRETCHES: usize = 8;
+/// Return addresses a mailbox holds between two drains: a walk hands on up
+/// to [`corsnap_unwind::LEARNED_ADDRESSES`], and a thread new to the code
+/// may walk twice between two drains.
+const LEARNED_ADDRESSES: usize = 16;
 
-impl LearnedMailbox {
+impl<const W: usize, const N: usize> LearnedMailbox<W, N> {
     /// In the handler: relaxed stores and one release store.
-    fn push(&self, words: [u64; 4]) {
+    fn push(&self, words: [u64; W]) {
         let head = self.head.load(Ordering::Relaxed);
-        if head - self.tail.load(Ordering::Acquire) >= LEARNED_STRETCHES as u64 {
+        if head - self.tail.load(Ordering::Acquire) >= N as u64 {
             return;
         }
-        for (cell, word) in self.words[head as usize % LEARNED_STRETCHES].iter().zip(words) {
+        for (cell, word) in self.words[head as usize % N].iter().zip(words) {
             cell.store(word, Ordering::Relaxed);
         }
         self.head.store(head + 1, Ordering::Release);
     }
 
-    /// On the agent's thread: every stretch put in since the last take.
-    fn take(&self, mut f: impl FnMut([u64; 4])) {
+    /// On the agent's thread: every record put in since the last take.
+    fn take(&self, mut f: impl FnMut([u64; W])) {
         let tail = self.tail.load(Ordering::Relaxed);
         let head = self.head.load(Ordering::Acquire);
         for at in tail..head {
-            f(self.words[at as usize % LEARNED_STRETCHES].each_ref().map(|w| w.load(Ordering::Relaxed)));
+            f(self.words[at as usize % N].each_ref().map(|w| w.load(Ordering::Relaxed)));
         }
         self.tail.store(head, Ordering::Release);
     }
@@ -606,11 +626,9 @@ pub fn rewalk(
     let (frames, original_flags) = original;
     let splice = copy.splice.and_then(|(i, sp)| Some((i, frames.get(i)? & !corsnap_unwind::EXACT_IP, sp)));
     let mut walk = corsnap_unwind::walk_until(map, &memory, copy.regs, cache, out, splice.map(|(_, ip, sp)| (ip, sp)));
-    // On the agent's thread, not in a handler: what the leaf taught is kept
-    // at once.
-    if let Some(learned) = cache.take_learned_stretch() {
-        map.keep_leaf_stretch(&learned);
-    }
+    // On the agent's thread, not in a handler: what the walk learned is
+    // kept at once.
+    map.keep_learned(cache);
     if let (true, Some((i, ..))) = (walk.flags & flags::REACHED != 0, splice) {
         let rest = &frames[i..];
         let n = rest.len().min(out.len() - walk.len);
@@ -628,10 +646,12 @@ pub fn rewalk(
 }
 
 impl ThreadSlot {
-    /// Hands every leaf stretch this thread's walks learned since the last
-    /// call to `f` (the agent keeps them: [`CodeMap::keep_leaf_stretch`]).
-    pub fn take_learned_stretches(&self, mut f: impl FnMut(corsnap_unwind::LearnedStretch)) {
-        self.learned.take(|words| f(corsnap_unwind::LearnedStretch::from_words(words)));
+    /// Keeps in `map`'s tables, for every thread's walks, what this
+    /// thread's walks learned since the last call: leaf stretches and
+    /// return addresses. On the agent's thread.
+    pub fn keep_learned(&self, map: &CodeMap) {
+        self.learned.take(|words| map.keep_leaf_stretch(&corsnap_unwind::LearnedStretch::from_words(words)));
+        self.learned_addresses.take(|words| map.keep_known_address(words));
     }
 
     pub fn tid(&self) -> u32 {
@@ -992,6 +1012,7 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
     if let Some(words) = walking.cache.take_learned_stretch().and_then(|s| s.to_words()) {
         slot.learned.push(words);
     }
+    walking.cache.take_learned_addresses(|words| slot.learned_addresses.push(words));
     let frames = walking.frames.get(..walk.len).unwrap_or(&[]);
     let record_flags = walk.flags | if requested { REQUESTED } else { 0 };
     let header = frames.len() as u64 | u64::from(record_flags) << 32;
@@ -1539,6 +1560,7 @@ impl SignalSampler {
             }),
             ring: Ring::new(),
             learned: LearnedMailbox::default(),
+            learned_addresses: LearnedMailbox::default(),
             samples: AtomicU64::new(0),
             requested_samples: AtomicU64::new(0),
             dropped_full: AtomicU64::new(0),

@@ -503,8 +503,8 @@ impl SignalEngine {
         let mut scratch = std::mem::take(&mut self.scratch);
         for (tid, slot) in slots {
             let Some(slot) = sampler.slot(slot) else { continue };
-            // What the handler learned of its leaves, for every thread's walks.
-            slot.take_learned_stretches(|learned| self.map.keep_leaf_stretch(&learned));
+            // What the handler's walks learned, for every thread's walks.
+            slot.keep_learned(&self.map);
             // Most samples are resolved straight from the ring; the few that
             // carry a stack copy (they met code not known yet) are kept to be
             // walked again after the rest.

@@ -174,6 +174,48 @@ impl FrameRule {
         self.is_known().then_some((self.from_bp, self.ra_at, self.restores_bp.then_some(self.bp_at)))
     }
 
+    /// The rule in one word, to share between threads through plain
+    /// atomics: the return address's offset in the low 32 bits, the saved
+    /// frame pointer's in the next 24, then the state and the two flags.
+    /// `None` for a frame pointer saved more than 8 MiB from the base.
+    pub(crate) fn to_word(self) -> Option<u64> {
+        if !(-(1 << 23)..1 << 23).contains(&self.bp_at) {
+            return None;
+        }
+        let state = match self.state {
+            RuleState::Untried => 0,
+            RuleState::Known => 1,
+            RuleState::Unsuitable => 2,
+            RuleState::Outermost => 3,
+        };
+        Some(
+            u64::from(self.ra_at as u32)
+                | (u64::from(self.bp_at as u32) & 0xff_ffff) << 32
+                | state << 56
+                | u64::from(self.from_bp) << 58
+                | u64::from(self.restores_bp) << 59,
+        )
+    }
+
+    /// Back from [`FrameRule::to_word`] (bits past 59 are ignored).
+    pub(crate) fn from_word(word: u64) -> FrameRule {
+        let state = match (word >> 56) & 3 {
+            0 => RuleState::Untried,
+            1 => RuleState::Known,
+            2 => RuleState::Unsuitable,
+            _ => RuleState::Outermost,
+        };
+        // The 24-bit offset, sign-extended.
+        let bp_at = (((word >> 32) as u32) << 8) as i32 >> 8;
+        FrameRule {
+            state,
+            from_bp: word >> 58 & 1 != 0,
+            restores_bp: word >> 59 & 1 != 0,
+            ra_at: word as u32 as i32,
+            bp_at,
+        }
+    }
+
     /// Whether the frame is found from the frame pointer (else from the
     /// stack pointer).
     pub(crate) fn bp_based(&self) -> bool {
@@ -227,6 +269,22 @@ mod tests {
         let next = rule.apply(&stack, Regs { ip: 0x1000, sp: bp - 0x30, bp }).unwrap();
         assert_eq!(next, Regs { ip: 0x4242, sp: bp + 16, bp: 0x7000_0200 });
         assert!(FrameRule::derive(&info, 5).is_none(), "inside the prologue");
+    }
+
+    #[test]
+    fn a_rule_goes_through_its_word_unchanged() {
+        for rule in [
+            FrameRule::known(true, 8, Some(0)),
+            FrameRule::known(false, 0x18, None),
+            FrameRule::known(true, -0x7000, Some(-(1 << 23))),
+            FrameRule::known(false, i32::MAX, Some((1 << 23) - 1)),
+            FrameRule::UNSUITABLE,
+            FrameRule::OUTERMOST,
+            FrameRule::default(),
+        ] {
+            assert_eq!(FrameRule::from_word(rule.to_word().unwrap()), rule, "{rule:?}");
+        }
+        assert_eq!(FrameRule::known(true, 8, Some(1 << 23)).to_word(), None);
     }
 
     #[test]

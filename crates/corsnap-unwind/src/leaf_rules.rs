@@ -39,10 +39,10 @@
 //! ([`LearnedStretch`]) to the agent, which keeps it.
 
 use std::ops::Range;
-use std::sync::atomic::{fence, AtomicU64, Ordering};
 
 use crate::frame_rule::FrameRule;
 use crate::known_addresses::key;
+use crate::seqlock_table::SeqlockTable;
 
 /// Entries in a process's table (32 bytes each: 256 KiB). Prime, so that
 /// granules spread over it whatever the code's alignment.
@@ -52,9 +52,6 @@ const GRANULE: u64 = 16;
 /// How far from the address met a stretch is entered (8 granules either
 /// side: about a hot loop's length).
 const NEIGHBOURHOOD: u64 = 128;
-/// Words an entry takes: its sequence, start, end with flags, and lineage
-/// with the rule's offsets.
-const WORDS: usize = 4;
 /// Flags in the high byte of an entry's end (addresses are below 2^56).
 const NATIVE: u64 = 1 << 56;
 const FROM_BP: u64 = 1 << 57;
@@ -71,8 +68,9 @@ const END_MASK: u64 = (1 << 56) - 1;
 /// sequence was even and the same before and after. Nothing blocks, nothing
 /// allocates; a lost race only loses an entry, which the full lookup
 /// serves.
+#[derive(Default)]
 pub(crate) struct LeafRules {
-    words: Box<[AtomicU64]>,
+    entries: SeqlockTable,
 }
 
 /// A stretch a walk's leaf was stepped out of by its rule, with that rule
@@ -139,46 +137,24 @@ pub(crate) struct LeafStretch {
     pub(crate) rule: FrameRule,
 }
 
-impl Default for LeafRules {
-    /// A table of no entries: nothing kept, nothing found.
-    fn default() -> Self {
-        LeafRules { words: Box::new([]) }
-    }
-}
-
 impl LeafRules {
     pub(crate) fn new(entries: usize) -> Self {
-        LeafRules { words: (0..entries * WORDS).map(|_| AtomicU64::new(0)).collect() }
+        LeafRules { entries: SeqlockTable::new(entries) }
     }
 
-    fn entry(&self, ip: u64) -> Option<&[AtomicU64]> {
-        let entries = self.words.len() / WORDS;
-        if entries == 0 {
-            return None;
-        }
-        let at = ((ip / GRANULE) % entries as u64) as usize * WORDS;
-        self.words.get(at..at + WORDS)
+    fn index(&self, ip: u64) -> usize {
+        ((ip / GRANULE) % self.entries.len().max(1) as u64) as usize
     }
 
     /// Where `ip`'s entry lies, for a prefetch.
     pub(crate) fn line_of(&self, ip: u64) -> u64 {
-        self.entry(ip).map_or(0, |e| e.as_ptr() as u64)
+        self.entries.line_of(self.index(ip))
     }
 
     /// The stretch holding `ip`, kept from a map of `lineage`.
     pub(crate) fn find(&self, lineage: u64, ip: u64) -> Option<LeafStretch> {
         let lineage = key(lineage)?;
-        let e = self.entry(ip)?;
-        let seq = e[0].load(Ordering::Acquire);
-        if seq & 1 != 0 {
-            return None;
-        }
-        let (start, end, rest) =
-            (e[1].load(Ordering::Relaxed), e[2].load(Ordering::Relaxed), e[3].load(Ordering::Relaxed));
-        fence(Ordering::Acquire);
-        if e[0].load(Ordering::Relaxed) != seq {
-            return None;
-        }
+        let [start, end, rest] = self.entries.read(self.index(ip))?;
         let (entry_lineage, stretch, native, rule) = decode(start, end, rest);
         if entry_lineage != lineage || !stretch.contains(&ip) {
             return None;
@@ -203,17 +179,7 @@ impl LeafRules {
         let to = stretch.end.min(ip.saturating_add(NEIGHBOURHOOD));
         let mut at = from;
         while at < to {
-            if let Some(e) = self.entry(at) {
-                let seq = e[0].load(Ordering::Relaxed);
-                if seq & 1 == 0 && e[0].compare_exchange(seq, seq + 1, Ordering::Acquire, Ordering::Relaxed).is_ok() {
-                    // The odd sequence is seen before any word changes.
-                    fence(Ordering::Release);
-                    e[1].store(start, Ordering::Relaxed);
-                    e[2].store(end, Ordering::Relaxed);
-                    e[3].store(rest, Ordering::Relaxed);
-                    e[0].store(seq + 2, Ordering::Release);
-                }
-            }
+            self.entries.write(self.index(at), [start, end, rest]);
             at += GRANULE;
         }
     }

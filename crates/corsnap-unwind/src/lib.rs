@@ -36,6 +36,7 @@ mod leaf_functions;
 mod leaf_rules;
 mod native_table;
 pub mod process;
+mod seqlock_table;
 #[cfg(test)]
 mod stack_words;
 mod walk_paths;
@@ -48,6 +49,7 @@ use framehop::{ExplicitModuleSectionInfo, FrameAddress, Module, MustNotAllocateD
 use pe_unwind_info::x86_64::{FunctionTableEntries, Register, UnwindState, XmmRegister};
 
 use frame_rule::FrameRule;
+use known_addresses::SharedKnownAddresses;
 use known_addresses::{KnownAddress, KnownAddresses};
 use last_walk::{LastWalk, WalkTracker};
 use leaf_functions::LeafFunctions;
@@ -178,7 +180,16 @@ pub struct WalkCache {
     /// The stretch the last walk's leaf was stepped out of by its rule,
     /// when it was looked up in full: for the map's owner to keep.
     learned: Option<LearnedStretch>,
+    /// The return addresses the last walk looked up in full, as words for
+    /// [`CodeMap::keep_known_address`]: the first
+    /// [`LEARNED_ADDRESSES`] of them (a later walk hands on the rest).
+    learned_addresses: [[u64; 3]; LEARNED_ADDRESSES],
+    learned_address_count: usize,
 }
+
+/// Return addresses a walk hands on for the process's table (see
+/// [`WalkCache::take_learned_addresses`]).
+pub const LEARNED_ADDRESSES: usize = 8;
 
 /// What a walk knows of the frame at hand, managed or native, before
 /// stepping out of it: from [`KnownAddresses`], or for a leaf from
@@ -203,6 +214,31 @@ impl WalkCache {
             leaves: LeafFunctions::new(),
             paths: WalkPaths::new(),
             learned: None,
+            learned_addresses: [[0; 3]; LEARNED_ADDRESSES],
+            learned_address_count: 0,
+        }
+    }
+
+    /// Hands each return address the last walk looked up in full (up to
+    /// [`LEARNED_ADDRESSES`]) to `f`, as words for
+    /// [`CodeMap::keep_known_address`]. No allocation: safe in a signal
+    /// handler.
+    pub fn take_learned_addresses(&mut self, mut f: impl FnMut([u64; 3])) {
+        for words in &self.learned_addresses[..self.learned_address_count] {
+            f(*words);
+        }
+        self.learned_address_count = 0;
+    }
+
+    /// A return address looked up in full: kept in the thread's table, and
+    /// handed on for the process's.
+    fn learn(&mut self, lineage: u64, known: KnownAddress) {
+        self.known.remember(lineage, known);
+        if let (Some(slot), Some(words)) =
+            (self.learned_addresses.get_mut(self.learned_address_count), known.to_words(lineage))
+        {
+            *slot = words;
+            self.learned_address_count += 1;
         }
     }
 
@@ -370,11 +406,10 @@ pub struct CodeMap {
     /// The runtime's hijack trampoline, stepped over by its prologue rather
     /// than by its (misleading) CFI.
     hijack_stub: Option<HijackStub>,
-    /// The stretches of code samples were lately taken in, with their
-    /// rules, for every thread (see [`leaf_rules`]): shared by the maps
-    /// built from this one's natives, written through `&self`
-    /// ([`CodeMap::keep_leaf_stretch`]).
-    leaf_rules: Arc<LeafRules>,
+    /// What every thread's walks learned, for all of them: shared by the
+    /// maps built from this one's natives, written through `&self`
+    /// ([`CodeMap::keep_learned`]).
+    process_learning: Arc<ProcessLearning>,
     /// For each of `natives`, whether any managed region lies inside its
     /// code (the runtime's stubs may be listed as regions): where none
     /// does, an address in the module is native code with no search of the
@@ -384,6 +419,21 @@ pub struct CodeMap {
     /// search for a frame's module reads (a module's entry is hundreds of
     /// bytes, so each step of a search of `natives` was a line of its own).
     native_starts: Vec<u64>,
+}
+
+/// The memories of the walks that serve every thread of the process (a
+/// stretch's or a return address's rule is the code's, not a thread's).
+/// Read by every walk; written by any thread but a signal handler, which
+/// hands what it learned to the agent. The default (the empty map's) keeps
+/// nothing.
+#[derive(Default)]
+struct ProcessLearning {
+    /// The stretches of code samples were lately taken in, with their rules
+    /// (see [`leaf_rules`]).
+    leaf_rules: LeafRules,
+    /// The return addresses walks looked up in full, with their rules (see
+    /// [`SharedKnownAddresses`]).
+    known_addresses: SharedKnownAddresses,
 }
 
 impl std::fmt::Debug for CodeMap {
@@ -405,8 +455,11 @@ impl CodeMap {
         stacks: Vec<Range<u64>>,
         sigreturn: u64,
     ) -> CodeMap {
-        let leaf_rules = Arc::new(LeafRules::new(leaf_rules::LEAF_RULES));
-        CodeMap::assemble(natives, managed, stacks, sigreturn, leaf_rules)
+        let learning = Arc::new(ProcessLearning {
+            leaf_rules: LeafRules::new(leaf_rules::LEAF_RULES),
+            known_addresses: SharedKnownAddresses::new(known_addresses::SHARED_KNOWN_ADDRESSES),
+        });
+        CodeMap::assemble(natives, managed, stacks, sigreturn, learning)
     }
 
     fn assemble(
@@ -414,7 +467,7 @@ impl CodeMap {
         mut managed: Vec<ManagedCode>,
         mut stacks: Vec<Range<u64>>,
         sigreturn: u64,
-        leaf_rules: Arc<LeafRules>,
+        process_learning: Arc<ProcessLearning>,
     ) -> CodeMap {
         natives.sort_by_key(|m| m.code.start);
         natives.dedup_by(|later, earlier| later.code.start < earlier.code.end);
@@ -448,7 +501,7 @@ impl CodeMap {
             lineage: generation,
             roots: Vec::new(),
             hijack_stub: None,
-            leaf_rules,
+            process_learning,
             natives_with_managed: Vec::new(),
             native_starts: Vec::new(),
         }
@@ -489,7 +542,7 @@ impl CodeMap {
     /// code changed: the map's own generation, which a walk cache's managed
     /// entries are keyed by, is new.)
     pub fn with_same_natives(&self, managed: Vec<ManagedCode>, stacks: Vec<Range<u64>>) -> CodeMap {
-        let fresh = CodeMap::assemble(Vec::new(), managed, stacks, self.sigreturn, self.leaf_rules.clone());
+        let fresh = CodeMap::assemble(Vec::new(), managed, stacks, self.sigreturn, self.process_learning.clone());
         // Both lists are sorted by address, without overlaps.
         let mut new = fresh.managed.iter().peekable();
         let kept_all = self.managed.iter().all(|old| {
@@ -558,7 +611,23 @@ impl CodeMap {
     /// Safe from any thread, at once with walks and other writers. A signal
     /// handler hands its stretches to the agent instead (see [`leaf_rules`]).
     pub fn keep_leaf_stretch(&self, learned: &LearnedStretch) {
-        self.leaf_rules.remember(learned);
+        self.process_learning.leaf_rules.remember(learned);
+    }
+
+    /// Keeps a return address a walk looked up in full (see
+    /// [`WalkCache::take_learned_addresses`]), as
+    /// [`CodeMap::keep_leaf_stretch`] keeps a stretch.
+    pub fn keep_known_address(&self, words: [u64; 3]) {
+        self.process_learning.known_addresses.remember_words(words);
+    }
+
+    /// Keeps all that the last walk with `cache` learned: for walks on
+    /// threads that may write the process's tables (not a signal handler).
+    pub fn keep_learned(&self, cache: &mut WalkCache) {
+        if let Some(learned) = cache.take_learned_stretch() {
+            self.keep_leaf_stretch(&learned);
+        }
+        cache.take_learned_addresses(|words| self.keep_known_address(words));
     }
 
     /// Whether `addr` lies in a native module that holds no managed region:
@@ -666,6 +735,7 @@ pub fn walk_until<M: Memory>(
     let mut len = 0;
     let mut flags = 0;
     cache.learned = None;
+    cache.learned_address_count = 0;
     let mut regs = regs;
     // The leaf, and a context a signal frame saved, are exact instruction
     // pointers: the thread was stopped there, not in a call.
@@ -769,17 +839,30 @@ pub fn walk_until<M: Memory>(
         // An exact address in a stretch of code met lately: its rule, with
         // no region, function, record or row looked up (see [`leaf_rules`]).
         let by_leaf_rule = if exact && len == 1 { leaf_rule_step(map, mem, regs) } else { None };
-        let hit =
-            if by_leaf_rule.is_some() {
-                None
-            } else {
-                match cache.known.find(map.lineage, lookup) {
-                    Some(k) => Some(KnownFrame { native: k.native, region: None, entry: k.entry, rule: k.rule }),
-                    None => cache.leaves.find(map.generation, lookup).filter(|_| exact).map(|(region, entry)| {
-                        KnownFrame { native: false, region: Some(region), entry, rule: FrameRule::default() }
-                    }),
-                }
+        let hit = if by_leaf_rule.is_some() {
+            None
+        } else {
+            // A return address not in the thread's table may be in the
+            // process's, learned by another thread: copied into the
+            // thread's, where the next walk finds it first.
+            let shared = |cache: &mut WalkCache| {
+                let k = map.process_learning.known_addresses.find(map.lineage, lookup)?;
+                cache.known.remember(map.lineage, k);
+                Some(k)
             };
+            match cache.known.find(map.lineage, lookup) {
+                Some(k) => Some(KnownFrame { native: k.native, region: None, entry: k.entry, rule: k.rule }),
+                None if exact => cache.leaves.find(map.generation, lookup).map(|(region, entry)| KnownFrame {
+                    native: false,
+                    region: Some(region),
+                    entry,
+                    rule: FrameRule::default(),
+                }),
+                None => {
+                    shared(cache).map(|k| KnownFrame { native: k.native, region: None, entry: k.entry, rule: k.rule })
+                }
+            }
+        };
         // A return address met before: its rule reads the caller from the
         // stack, with no region, table or record touched. For a native frame
         // that is its row's rule, kept when the row was first looked up: at
@@ -850,8 +933,7 @@ pub fn walk_until<M: Memory>(
                         cache.leaves.remember(map.generation, function, i as u32, entry);
                     }
                 } else if hit.is_none_or(|h| h.rule != rule) {
-                    let known = KnownAddress::new(lookup, entry, rule, false);
-                    cache.known.remember(map.lineage, known);
+                    cache.learn(map.lineage, KnownAddress::new(lookup, entry, rule, false));
                 }
             }
             // A rule derived just now gave this very step (else it is not
@@ -873,8 +955,7 @@ pub fn walk_until<M: Memory>(
             let module = map.natives.get(h.entry as usize).filter(|m| m.code.contains(&lookup));
             let (step, rule) = native_frame_step(map, module, mem, regs, exact, len == 1, cache);
             if let Some(kept) = rule.filter(|_| !exact && !h.rule.is_known()).and_then(|r| r.kept()) {
-                let known = KnownAddress::new(lookup, h.entry, kept, true);
-                cache.known.remember(map.lineage, known);
+                cache.learn(map.lineage, KnownAddress::new(lookup, h.entry, kept, true));
             }
             tracked = rule.and_then(|r| r.step_rule()).map(Tracked::Native);
             step
@@ -890,7 +971,7 @@ pub fn walk_until<M: Memory>(
             // the place of one that is.
             if !exact {
                 let rule_kept = rule.and_then(|r| r.kept()).unwrap_or(FrameRule::UNSUITABLE);
-                cache.known.remember(map.lineage, KnownAddress::new(lookup, index as u32, rule_kept, true));
+                cache.learn(map.lineage, KnownAddress::new(lookup, index as u32, rule_kept, true));
             }
             tracked = rule.and_then(|r| r.step_rule()).map(Tracked::Native);
             step
@@ -966,7 +1047,7 @@ const PREFETCH_FRAMES: usize = 32;
 /// Only hints: what the walk reads, it reads and checks itself.
 fn prefetch_frame_chain<M: Memory>(map: &CodeMap, mem: &M, cache: &WalkCache, regs: Regs) {
     mem.prefetch(cache.known.line_of(regs.ip));
-    mem.prefetch(map.leaf_rules.line_of(regs.ip));
+    mem.prefetch(map.process_learning.leaf_rules.line_of(regs.ip));
     // The chain's links are read one after the other, each a miss of its
     // own: none past where the walk will take the thread's remembered
     // start whole.
@@ -1072,7 +1153,7 @@ fn native_frame_step<M: Memory>(
 /// lately that holds its address: a native row, or a managed function's
 /// body when no epilogue starts at the address. With whether it is native.
 fn leaf_rule_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs) -> Option<(Regs, bool)> {
-    let stretch = map.leaf_rules.find(map.lineage, regs.ip)?;
+    let stretch = map.process_learning.leaf_rules.find(map.lineage, regs.ip)?;
     if !stretch.native {
         let code = mem.leaf_code(regs.ip..stretch.end.min(regs.ip.saturating_add(8)))?;
         if leaf_rules::may_begin_epilogue(code) {

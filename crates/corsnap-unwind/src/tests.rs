@@ -483,3 +483,36 @@ fn a_hijacked_return_address_that_cannot_be_put_back_ends_the_walk() {
     assert_eq!(frames, [UNKNOWN_STUB]);
     assert_eq!(flags, flags::LOST | flags::UNKNOWN_CODE);
 }
+
+#[test]
+fn return_addresses_one_thread_looked_up_serve_another_thread_s_first_walk() {
+    let (map, mem, regs) = chain();
+    let learned = |cache: &mut WalkCache| {
+        let mut words = Vec::new();
+        cache.take_learned_addresses(|w| words.push(w));
+        words
+    };
+    let mut first = WalkCache::new();
+    let mut out = [0u64; 64];
+    let w = walk(&map, &mem, regs, &mut first, &mut out);
+    assert_eq!(w.flags, flags::COMPLETE);
+    // Hot's callers: A5, A4, A3 and Main's return addresses, each looked up
+    // in full.
+    let words = learned(&mut first);
+    assert_eq!(words.len(), 4);
+    for w in words {
+        map.keep_known_address(w);
+    }
+    // Another thread's first walk finds them all in the process's table,
+    // and walks the same frames.
+    let mut second = WalkCache::new();
+    let again = walk(&map, &mem, regs, &mut second, &mut out);
+    assert_eq!((again.len, again.flags), (w.len, w.flags));
+    assert_eq!(learned(&mut second), Vec::<[u64; 3]>::new());
+    // A map built afresh (another lineage, and a table of its own) finds
+    // none of them.
+    let other = CodeMap::new(Vec::new(), map.managed.clone(), map.stacks.clone(), 0);
+    let mut third = WalkCache::new();
+    walk(&other, &mem, regs, &mut third, &mut out);
+    assert_eq!(learned(&mut third).len(), 4);
+}
