@@ -53,7 +53,9 @@
 //!    addresses it looked up in full, go into the slot's mailboxes for the
 //!    agent the same way (relaxed stores, one release store; a full mailbox
 //!    drops them): the handler writes nothing that other threads' handlers
-//!    read ([`LearnedMailbox`]).
+//!    read ([`LearnedMailbox`]). The slot's counters (samples, and what the
+//!    walk found where: `walk_counts`) are relaxed atomic adds on its own
+//!    lines, which only the agent reads.
 //!
 //! The slot's walk cache and scratch buffer are touched only by the handler
 //! on the slot's own thread, and a handler never interrupts itself: `SIGPROF`
@@ -216,6 +218,11 @@ pub struct ThreadSlot {
     learned_addresses: LearnedMailbox<3, LEARNED_ADDRESSES>,
     /// Samples written.
     pub samples: AtomicU64,
+    /// Of the walks, how many took their leaf's step from a kept stretch;
+    /// and the return addresses they looked up in full, and those they took
+    /// from the process's table (see [`corsnap_unwind::Walk`]): what the
+    /// handler's cost follows.
+    pub walk_counts: [AtomicU64; 3],
     walking: UnsafeCell<Walking>,
     /// Of those, samples taken on request ([`Sampler::request_sample`]):
     /// what a request waits on, since a timer's sample may land meanwhile.
@@ -1051,6 +1058,10 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
     });
     if slot.ring.push([header, weight_ns, time_ns, time_ns.saturating_sub(entered), 0], frames, copy) {
         slot.samples.fetch_add(1, Ordering::Relaxed);
+        let counts = [u64::from(walk.leaf_by_stretch), walk.looked_up.into(), walk.from_process_table.into()];
+        for (count, add) in slot.walk_counts.iter().zip(counts) {
+            count.fetch_add(add, Ordering::Relaxed);
+        }
         if requested {
             slot.requested_samples.fetch_add(1, Ordering::Release);
         }
@@ -1562,6 +1573,7 @@ impl SignalSampler {
             learned: LearnedMailbox::default(),
             learned_addresses: LearnedMailbox::default(),
             samples: AtomicU64::new(0),
+            walk_counts: Default::default(),
             requested_samples: AtomicU64::new(0),
             dropped_full: AtomicU64::new(0),
             unknown_stack: AtomicU64::new(0),

@@ -475,6 +475,25 @@ impl SignalEngine {
     /// Takes the handler out of the process (see `SignalSampler::uninstall`).
     pub fn stop(&mut self) {
         if let Some(sampler) = self.sampler.take() {
+            // What the walks of the threads still running cost (see
+            // `ThreadSlot::walk_counts`).
+            let (mut walks, mut counts) = (0, [0u64; 3]);
+            for t in self.threads.values() {
+                if let Some(slot) = sampler.slot(t.slot) {
+                    walks += slot.samples.load(std::sync::atomic::Ordering::Relaxed);
+                    for (sum, c) in counts.iter_mut().zip(&slot.walk_counts) {
+                        *sum += c.load(std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            }
+            let per_walk = |n: u64| n as f64 / walks.max(1) as f64;
+            log::write(format_args!(
+                "signal walks of the threads running at the end: {walks}; leaves stepped by a kept stretch: \
+                 {:.0}%; return addresses a walk looked up in full: {:.2}, and took from the process's table: {:.2}",
+                100.0 * per_walk(counts[0]),
+                per_walk(counts[1]),
+                per_walk(counts[2])
+            ));
             let mut rest = Vec::new();
             self.drain_all(&sampler, &mut rest);
             if !sampler.uninstall(Duration::from_secs(2)) {

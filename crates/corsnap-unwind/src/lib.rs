@@ -185,6 +185,10 @@ pub struct WalkCache {
     /// [`LEARNED_ADDRESSES`] of them (a later walk hands on the rest).
     learned_addresses: [[u64; 3]; LEARNED_ADDRESSES],
     learned_address_count: usize,
+    /// The last walk's counts for [`Walk::looked_up`] and
+    /// [`Walk::from_process_table`].
+    looked_up: u32,
+    from_process_table: u32,
 }
 
 /// Return addresses a walk hands on for the process's table (see
@@ -216,6 +220,8 @@ impl WalkCache {
             learned: None,
             learned_addresses: [[0; 3]; LEARNED_ADDRESSES],
             learned_address_count: 0,
+            looked_up: 0,
+            from_process_table: 0,
         }
     }
 
@@ -233,6 +239,7 @@ impl WalkCache {
     /// A return address looked up in full: kept in the thread's table, and
     /// handed on for the process's.
     fn learn(&mut self, lineage: u64, known: KnownAddress) {
+        self.looked_up += 1;
         self.known.remember(lineage, known);
         if let (Some(slot), Some(words)) =
             (self.learned_addresses.get_mut(self.learned_address_count), known.to_words(lineage))
@@ -696,6 +703,14 @@ pub struct Walk {
     /// How many frames, at the root's end, came from the last complete
     /// walk's (see [`last_walk`]).
     pub rest_frames: usize,
+    /// The leaf was stepped by a stretch kept in the process's table (see
+    /// [`leaf_rules`]), not looked up in full.
+    pub leaf_by_stretch: bool,
+    /// Return addresses looked up in full (none of the tables knew them).
+    pub looked_up: u32,
+    /// Return addresses the thread's table did not hold and the process's
+    /// did (see [`known_addresses`]).
+    pub from_process_table: u32,
 }
 
 /// One unwinding step's outcome.
@@ -736,6 +751,9 @@ pub fn walk_until<M: Memory>(
     let mut flags = 0;
     cache.learned = None;
     cache.learned_address_count = 0;
+    cache.looked_up = 0;
+    cache.from_process_table = 0;
+    let mut leaf_by_stretch = false;
     let mut regs = regs;
     // The leaf, and a context a signal frame saved, are exact instruction
     // pointers: the thread was stopped there, not in a call.
@@ -839,6 +857,7 @@ pub fn walk_until<M: Memory>(
         // An exact address in a stretch of code met lately: its rule, with
         // no region, function, record or row looked up (see [`leaf_rules`]).
         let by_leaf_rule = if exact && len == 1 { leaf_rule_step(map, mem, regs) } else { None };
+        leaf_by_stretch |= by_leaf_rule.is_some();
         let hit = if by_leaf_rule.is_some() {
             None
         } else {
@@ -847,6 +866,7 @@ pub fn walk_until<M: Memory>(
             // thread's, where the next walk finds it first.
             let shared = |cache: &mut WalkCache| {
                 let k = map.process_learning.known_addresses.find(map.lineage, lookup)?;
+                cache.from_process_table += 1;
                 cache.known.remember(map.lineage, k);
                 Some(k)
             };
@@ -1030,6 +1050,9 @@ pub fn walk_until<M: Memory>(
         entry_frames,
         path_frames,
         rest_frames,
+        leaf_by_stretch,
+        looked_up: cache.looked_up,
+        from_process_table: cache.from_process_table,
     }
 }
 

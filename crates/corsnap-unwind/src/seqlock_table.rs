@@ -29,8 +29,7 @@ impl Default for SeqlockTable {
 }
 
 impl SeqlockTable {
-    /// A table of `entries` empty entries (all words 0). Allocated zeroed,
-    /// so its pages are touched only as entries are written.
+    /// A table of `entries` empty entries (all words 0).
     pub(crate) fn new(entries: usize) -> Self {
         SeqlockTable { words: (0..entries * WORDS).map(|_| AtomicU64::new(0)).collect() }
     }
