@@ -53,9 +53,10 @@
 //!    addresses it looked up in full, go into the slot's mailboxes for the
 //!    agent the same way (relaxed stores, one release store; a full mailbox
 //!    drops them): the handler writes nothing that other threads' handlers
-//!    read ([`LearnedMailbox`]). The slot's counters (samples, and what the
-//!    walk found where: `walk_counts`) are relaxed atomic adds on its own
-//!    lines, which only the agent reads.
+//!    read ([`LearnedMailbox`]). The slot's counters are on its own lines,
+//!    which only the agent reads: samples, a relaxed atomic add; what the
+//!    walk found where (`walk_counts`), which no other thread writes, a
+//!    relaxed load and store.
 //!
 //! The slot's walk cache and scratch buffer are touched only by the handler
 //! on the slot's own thread, and a handler never interrupts itself: `SIGPROF`
@@ -1058,9 +1059,11 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
     });
     if slot.ring.push([header, weight_ns, time_ns, time_ns.saturating_sub(entered), 0], frames, copy) {
         slot.samples.fetch_add(1, Ordering::Relaxed);
+        // Only this handler writes them: a load and a store, no locked
+        // instruction.
         let counts = [u64::from(walk.leaf_by_stretch), walk.looked_up.into(), walk.from_process_table.into()];
-        for (count, add) in slot.walk_counts.iter().zip(counts) {
-            count.fetch_add(add, Ordering::Relaxed);
+        for (count, add) in slot.walk_counts.iter().zip(counts).filter(|&(_, add)| add != 0) {
+            count.store(count.load(Ordering::Relaxed) + add, Ordering::Relaxed);
         }
         if requested {
             slot.requested_samples.fetch_add(1, Ordering::Release);

@@ -241,11 +241,11 @@ impl WalkCache {
     fn learn(&mut self, lineage: u64, known: KnownAddress) {
         self.looked_up += 1;
         self.known.remember(lineage, known);
-        if let (Some(slot), Some(words)) =
-            (self.learned_addresses.get_mut(self.learned_address_count), known.to_words(lineage))
-        {
-            *slot = words;
-            self.learned_address_count += 1;
+        if let Some(slot) = self.learned_addresses.get_mut(self.learned_address_count) {
+            if let Some(words) = known.to_words(lineage) {
+                *slot = words;
+                self.learned_address_count += 1;
+            }
         }
     }
 
