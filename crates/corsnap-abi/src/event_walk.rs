@@ -144,6 +144,10 @@ static CODE_UNKNOWN: AtomicBool = AtomicBool::new(false);
 static WAKE_WANTED: AtomicBool = AtomicBool::new(false);
 /// Walks whose stack the map did not list (they fell back).
 static UNKNOWN_STACKS: AtomicU64 = AtomicU64::new(0);
+/// Walks whose stack the map did not list, served by the thread library's.
+static OWN_STACKS: AtomicU64 = AtomicU64::new(0);
+/// Walks made before the first map was published (they fell back).
+static NO_MAP: AtomicU64 = AtomicU64::new(0);
 /// Walks that used a cache of their own (the pool was empty).
 static POOL_EMPTY: AtomicU64 = AtomicU64::new(0);
 
@@ -246,6 +250,7 @@ pub fn walk_own_stack<R>(
     // and the agent frees a replaced map only once the count was zero after
     // its swap.
     let Some(map) = (unsafe { MAP.load(Ordering::SeqCst).as_ref() }) else {
+        NO_MAP.fetch_add(1, Ordering::Relaxed);
         return Err(OwnWalkError::NoMap);
     };
     let (ip, sp, bp): (u64, u64, u64);
@@ -276,7 +281,19 @@ pub fn walk_own_stack<R>(
             &mut own_walker
         }
     };
-    let Some(stack) = walker.stack_of(map, regs.sp) else {
+    let Some(stack) = walker.stack_of(map, regs.sp).or_else(|| {
+        // A thread made since the map was read: its own stack is known to
+        // its thread library, so its events need not wait for the agent's
+        // thread (slow to be scheduled on a busy machine) to read the
+        // process's stacks again. The map still learns of it at its next
+        // refresh, unhurried.
+        let own = own_thread_stack(regs.sp);
+        if own.is_some() {
+            OWN_STACKS.fetch_add(1, Ordering::Relaxed);
+            STACKS_STALE.store(true, Ordering::Relaxed);
+        }
+        own
+    }) else {
         UNKNOWN_STACKS.fetch_add(1, Ordering::Relaxed);
         if !STACKS_STALE.swap(true, Ordering::Relaxed) {
             WAKE_WANTED.store(true, Ordering::Relaxed);
@@ -339,6 +356,44 @@ pub fn walk_own_stack<R>(
     Ok(result)
 }
 
+/// The calling thread's stack as its thread library describes it, if it
+/// holds `sp`: remembered per thread, so a thread asks once. (Not in a signal
+/// handler: `pthread_getattr_np` allocates, and on the main thread reads
+/// `/proc/self/maps`; the main thread is in every map anyway.)
+fn own_thread_stack(sp: u64) -> Option<std::ops::Range<u64>> {
+    use std::cell::Cell;
+    thread_local! {
+        // No destructor: a thread-local with one would pin the agent's
+        // library after a detach.
+        static OWN_STACK: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+    }
+    let remembered = OWN_STACK.try_with(Cell::get).unwrap_or((0, 0));
+    if (remembered.0..remembered.1).contains(&sp) {
+        return Some(remembered.0..remembered.1);
+    }
+    let mut attr = std::mem::MaybeUninit::<libc::pthread_attr_t>::uninit();
+    let (mut base, mut size) = (null_mut(), 0usize);
+    // SAFETY: `attr` is initialised by pthread_getattr_np when it returns 0,
+    // read by pthread_attr_getstack into two locals, and destroyed once.
+    unsafe {
+        if libc::pthread_getattr_np(libc::pthread_self(), attr.as_mut_ptr()) != 0 {
+            return None;
+        }
+        let got = libc::pthread_attr_getstack(attr.as_ptr(), &mut base, &mut size);
+        libc::pthread_attr_destroy(attr.as_mut_ptr());
+        if got != 0 {
+            return None;
+        }
+    }
+    let start = base as u64;
+    let stack = start..start.checked_add(size as u64)?;
+    if !stack.contains(&sp) {
+        return None;
+    }
+    let _ = OWN_STACK.try_with(|c| c.set((stack.start, stack.end)));
+    Some(stack)
+}
+
 /// Counters of event walks that could not use their own unwinder.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct EventWalkCounters {
@@ -346,6 +401,8 @@ pub struct EventWalkCounters {
     pub frames: u64,
     pub path_frames: u64,
     pub rest_frames: u64,
+    pub no_map: u64,
+    pub own_stacks: u64,
     pub unknown_stacks: u64,
     pub pool_empty: u64,
 }
@@ -356,6 +413,8 @@ pub fn counters() -> EventWalkCounters {
         frames: TOTALS[1].load(Ordering::Relaxed),
         path_frames: TOTALS[2].load(Ordering::Relaxed),
         rest_frames: TOTALS[3].load(Ordering::Relaxed),
+        no_map: NO_MAP.load(Ordering::Relaxed),
+        own_stacks: OWN_STACKS.load(Ordering::Relaxed),
         unknown_stacks: UNKNOWN_STACKS.load(Ordering::Relaxed),
         pool_empty: POOL_EMPTY.load(Ordering::Relaxed),
     }
@@ -498,9 +557,14 @@ mod tests {
     fn a_walk_of_ones_own_stack_needs_a_map_and_then_reaches_the_root() {
         assert_eq!(deeper(0).err(), Some(OwnWalkError::NoMap));
         let mut events = EventMap::install().expect("first install");
-        // Without stacks: refused, and the agent is asked to read them.
+        // A map that lists no stacks (a thread made since it was read): the
+        // thread library's description of this thread's stack serves, to
+        // the root, and the agent is told its map is stale.
         events.publish(Arc::new(own_code_map(false)));
-        assert_eq!(deeper(0).err(), Some(OwnWalkError::UnknownStack));
+        let served = OWN_STACKS.load(Ordering::Relaxed);
+        let (_, walk, _) = deeper(5).expect("a walk on the thread library's stack");
+        assert!(walk.flags & corsnap_unwind::flags::COMPLETE != 0, "{walk:?}");
+        assert!(OWN_STACKS.load(Ordering::Relaxed) > served);
         assert!(take_stacks_stale());
         events.publish(Arc::new(own_code_map(true)));
         let (frames, walk, copied) = deeper(5).expect("a walk");

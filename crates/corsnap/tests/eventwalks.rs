@@ -64,8 +64,8 @@ fn agree(runtime: Runtime) {
     let (exceptions, alloc, stderr) = run(runtime, "native", &["exceptions", "alloc"], true);
     let (compared, identical) = verification(&stderr);
     let events = total(&exceptions) + alloc.as_ref().map_or(0, |a| a.len() as u64);
-    // A thread's first events, before the walker's map lists its stack, are
-    // walked by DoStackSnapshot alone and not compared.
+    // Events before the walker's first map is published are walked by
+    // DoStackSnapshot alone and not compared.
     assert!(compared * 10 >= total(&exceptions) * 9, "compared {compared} of {events} events:\n{stderr}");
     assert_eq!(identical, compared, "the walkers disagreed (the agent log names the stacks):\n{stderr}");
     let alloc = alloc.expect("an allocation profile");
