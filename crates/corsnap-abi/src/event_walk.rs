@@ -331,9 +331,12 @@ pub fn walk_own_stack<R>(
         };
         let kept_words = kept_words.min(stack_words);
         let mut kept = Vec::with_capacity(kept_words);
+        // As the signal handler's copies: a hijack the walk stepped over by
+        // a guess is put back too.
+        let undone_hijack = walk.undone_hijack.or_else(|| memory.hijack_in_stack(regs.sp));
         for i in 0..kept_words as u64 {
             let address = regs.sp + 8 * i;
-            kept.push(match walk.undone_hijack {
+            kept.push(match undone_hijack {
                 Some((slot, original)) if slot == address => original,
                 _ => memory.stack_word(address).unwrap_or(0),
             });

@@ -49,6 +49,9 @@
 //!    and one release store; a full ring drops the sample and counts it. A
 //!    stack copy goes into a block of the shared pool, taken with a bounded
 //!    compare-and-swap and written with relaxed stores ([`copy_pool`]).
+//!    Before a copy (only then), the same 16 bytes of the thread object are
+//!    read once more, the same way, to put back a hijack the walk did not
+//!    meet ([`LiveMemory::hijack_in_stack`]).
 //!    A stretch of code the walk learned at its leaf, and the return
 //!    addresses it looked up in full, go into the slot's mailboxes for the
 //!    agent the same way (relaxed stores, one release store; a full mailbox
@@ -712,6 +715,41 @@ pub(crate) struct LiveMemory<'a> {
     pub(crate) runtime_thread: u64,
 }
 
+impl LiveMemory<'_> {
+    /// A hijacked return address in this thread's stack from `sp` up, as
+    /// (slot, original), whether or not a walk met it: for a copy of the
+    /// stack, which a later walk reads without the thread object. A walk
+    /// that steps over the hijacked frame by a guess never meets the
+    /// trampoline: an OSR body's frame pointer leads to the copy of its
+    /// caller's return address that the patchpoint left for it, not to the
+    /// Tier0 frame's real one above, which the runtime hijacked. The walk of
+    /// the copy, once the body is learned, unwinds by its record to that
+    /// real one. Measured on .NET 8 (`gcstop.cs` under load): such walks of
+    /// the copy ended at the trampoline, up to 1% of `Straight`'s samples.
+    ///
+    /// Async-signal-safe, as [`hijacked_return`]. The thread is the one
+    /// interrupted (or the calling one), so its fields and stack hold still;
+    /// the runtime writes the trampoline into the slot after both fields, so
+    /// a slot that holds it has fields to match.
+    pub(crate) fn hijack_in_stack(&self, sp: u64) -> Option<(u64, u64)> {
+        let offset = HIJACK_FIELDS.load(Ordering::Relaxed);
+        let trampoline = self.map.hijack_trampoline().unwrap_or_else(|| HIJACK_TRAMPOLINE.load(Ordering::Relaxed));
+        if offset == 0 || self.runtime_thread == 0 || trampoline == 0 {
+            return None;
+        }
+        let mut fields = [0u8; 16];
+        if !crate::process::read_own_memory(self.runtime_thread.checked_add(offset)?, &mut fields) {
+            return None;
+        }
+        let original = u64::from_le_bytes(fields[..8].try_into().ok()?);
+        let slot = u64::from_le_bytes(fields[8..].try_into().ok()?);
+        if original == 0 || original == trampoline || slot < sp || slot % 8 != 0 {
+            return None;
+        }
+        (self.stack_word(slot)? == trampoline).then_some((slot, original))
+    }
+}
+
 impl Memory for LiveMemory<'_> {
     fn stack_word(&self, addr: u64) -> Option<u64> {
         if addr < self.stack.start || addr > self.stack.end.checked_sub(8)? {
@@ -1048,12 +1086,14 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
         .splice
         .map(|(_, at)| (((at.sp.saturating_sub(regs.sp)) / 8) as usize + SPLICE_SLACK_WORDS).min(stack_words));
     let min_copy_words = splice_words.unwrap_or(deep_words).min(deep_words);
-    let copy = (walk.flags & corsnap_unwind::flags::UNKNOWN_CODE != 0).then_some(StackToCopy {
+    // Built only for a walk that met unknown code: looking for a hijack the
+    // walk did not meet reads the thread object.
+    let copy = (walk.flags & corsnap_unwind::flags::UNKNOWN_CODE != 0).then(|| StackToCopy {
         regs,
         words: deep_words,
         min_words: min_copy_words,
         memory: &memory,
-        undone_hijack: walk.undone_hijack,
+        undone_hijack: walk.undone_hijack.or_else(|| memory.hijack_in_stack(regs.sp)),
         known_frames: walk.known_frames,
         splice: walk.splice.map(|(i, at)| (i, at.sp)),
     });
@@ -2137,6 +2177,46 @@ mod tests {
     use super::*;
     use corsnap_unwind::process::{native_module, parse_maps, stack_ranges, LoadedElf};
     use corsnap_unwind::{address_of, flags};
+
+    /// A copy of a stack carries the original return address in place of a
+    /// hijack that the walk did not meet, and nothing else is changed: not
+    /// a slot below the copy, nor one that no longer holds the trampoline.
+    #[test]
+    fn a_hijack_the_walk_did_not_meet_is_found_for_the_copy() {
+        const OFFSET: u64 = 0x118;
+        let trampoline = 0x7000_1000u64;
+        let original = 0x7000_5678u64;
+        let stub = corsnap_unwind::HijackStub {
+            range: trampoline..trampoline + 0x42,
+            call_return: trampoline + 0x20,
+            return_slot: 0x40,
+            saved_bp: 0x38,
+        };
+        let map = CodeMap::new(Vec::new(), Vec::new(), Vec::new(), 0).with_hijack_stub(Some(stub));
+        let mut stack = vec![0u64; 64];
+        stack[40] = trampoline;
+        let start = stack.as_ptr() as u64;
+        let slot = start + 40 * 8;
+        // The runtime's thread object: m_pvHJRetAddr, then m_ppvHJRetAddrPtr.
+        let mut thread = vec![0u64; 64];
+        thread[OFFSET as usize / 8] = original;
+        thread[OFFSET as usize / 8 + 1] = slot;
+        let runtime_thread = thread.as_ptr() as u64;
+        let memory = LiveMemory { stack: start..start + 64 * 8, map: &map, runtime_thread };
+        let before = HIJACK_FIELDS.swap(OFFSET, Ordering::Relaxed);
+        assert_eq!(memory.hijack_in_stack(start), Some((slot, original)));
+        // The slot lies below the copy's first word: not the copy's.
+        assert_eq!(memory.hijack_in_stack(slot + 8), None);
+        // The hijack was undone (the slot holds the original again).
+        stack[40] = original;
+        assert_eq!(memory.hijack_in_stack(start), None);
+        // A thread the agent does not know.
+        stack[40] = trampoline;
+        let unknown = LiveMemory { runtime_thread: 0, ..memory };
+        assert_eq!(unknown.hijack_in_stack(start), None);
+        HIJACK_FIELDS.store(before, Ordering::Relaxed);
+        std::hint::black_box((&stack, &thread));
+    }
 
     /// Every native frame the row tables have a rule for unwinds as
     /// framehop unwinds it, as a leaf and as a return address: addresses all
