@@ -173,6 +173,25 @@ fn check_owner(pid: u32, owner: u32, me: u32) -> Result<()> {
     Ok(())
 }
 
+/// How long an attach waits for the agent of a session that just ended to
+/// leave the process.
+const AGENT_LEAVING_WAIT: Duration = Duration::from_secs(3);
+
+/// Whether process `pid` has no corsnap agent mapped, now or within `wait`
+/// (polled every 20 ms).
+fn agent_leaves_within(pid: u32, agent: &Path, wait: Duration) -> bool {
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        if !agent_is_loaded(pid, agent) {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Whether process `pid` has corsnap's agent (the library at `agent`, or
 /// any `libcorsnap_agent.so`) mapped.
 fn agent_is_loaded(pid: u32, agent: &Path) -> bool {
@@ -217,12 +236,16 @@ pub fn attach_profiler(
     // A runtime that refuses an attach because a profiler is active has
     // already loaded the library and never lets it go: the agent would
     // stay mapped in the process after every session (measured on .NET 10).
-    // So a second corsnap is told here, before any request is sent.
+    // So a second corsnap is told here, before any request is sent. An
+    // agent still leaving after its session ended (0.3 s after `record
+    // --pid` returns, measured under load too) is waited for: sessions run
+    // back to back from a script are the common case, not a conflict.
     if let Some(pid) = socket.pid() {
-        if agent_is_loaded(pid, profiler_path) {
+        if !agent_leaves_within(pid, profiler_path, AGENT_LEAVING_WAIT) {
             bail!(
-                "corsnap's agent is already loaded in {target}: another corsnap session is recording it, or one \
-                 is still leaving (a killed one detaches within a second or two); wait for it to end and try again"
+                "corsnap's agent is already loaded in {target}, and did not leave within {} s: another corsnap \
+                 session is recording it (or a killed one is still detaching); wait for it to end and try again",
+                AGENT_LEAVING_WAIT.as_secs()
             );
         }
     }

@@ -283,14 +283,33 @@ fn events_after_attach(runtime: Runtime) {
 }
 
 #[test]
+fn sessions_run_back_to_back_wait_for_the_last_agent_to_leave() {
+    // The agent leaves ~0.3 s after `record --pid` returns: a script's next
+    // session, started at once, used to be refused as a second one.
+    let service = Service::start(&[]);
+    let pid = service.pid.to_string();
+    let dir = scratch("attach-back-to-back");
+    for round in 0..3 {
+        let out = dir.join(format!("p{round}.txt"));
+        let record = corsnap(&["record", "--pid", &pid, "-d", "0.5", "-f", "collapsed", "-o", out.to_str().unwrap()]);
+        assert!(record.status.success(), "round {round}: {}", String::from_utf8_lossy(&record.stderr));
+    }
+    let dump = corsnap(&["dump", "--pid", &pid]);
+    assert!(dump.status.success(), "{}", String::from_utf8_lossy(&dump.stderr));
+    service.wait_agent_gone();
+}
+
+#[test]
 fn a_second_session_is_refused_before_the_runtime_loads_the_agent_again() {
     // The runtime refuses a second profiler only after loading its library,
     // and never unloads it: the agent stayed mapped after both sessions.
     let service = Service::start(&[]);
     let pid = service.pid.to_string();
     let out = scratch("attach-second").join("p.txt");
+    // Longer than the 3 s a new session waits for an earlier one's agent to
+    // leave: this one is still recording then.
     let mut first = Command::new(corsnap_bin())
-        .args(["record", "--pid", &pid, "-d", "3", "-f", "collapsed", "-o", out.to_str().unwrap()])
+        .args(["record", "--pid", &pid, "-d", "8", "-f", "collapsed", "-o", out.to_str().unwrap()])
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
