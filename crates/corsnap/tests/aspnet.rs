@@ -78,24 +78,35 @@ fn wrk_reports_are_parsed_with_absent_error_lines_as_zero() {
 /// The handler, as the signal engine names it.
 const HANDLER: &str = "WebApp.Work";
 
-/// Whether a stack runs the handler under Kestrel's frames and, between
-/// them, ASP.NET Core's own (routing, hosting): root first, a
-/// `Microsoft.AspNetCore.Server.Kestrel.*` frame, then a
-/// `Microsoft.AspNetCore.*` frame outside Kestrel, then the handler.
-fn handler_under_kestrel_and_aspnetcore(stack: &Stack) -> bool {
+/// Whether a stack runs the handler under Kestrel's frames: root first, a
+/// `Microsoft.AspNetCore.Server.Kestrel.*` frame, then only ASP.NET Core's
+/// own frames (hosting, routing, middleware) and runtime stubs (the request
+/// delegate the minimal API compiles), then the handler.
+///
+/// Which middleware frames there are depends on the JIT, not on corsnap:
+/// measured on one process under `wrk`, both engines (`signal` and
+/// `suspend`) showed `HostFilteringMiddleware.Invoke` between Kestrel and
+/// the handler at first, then `EndpointRoutingMiddleware.Invoke` and
+/// `EndpointMiddleware.Invoke`, then `EndpointMiddleware.Invoke` alone, as
+/// re-tiered code inlined more of the pipeline; a loaded CI machine caught
+/// a recording with none left. That the frames shown are the real ones is
+/// checked sample by sample against `DoStackSnapshot` (walk verification).
+fn handler_under_kestrel(stack: &Stack) -> bool {
     let Some(handler) = stack.frames.iter().position(|f| f == HANDLER) else { return false };
     let below = &stack.frames[..handler];
-    let Some(kestrel) = below.iter().position(|f| f.starts_with("Microsoft.AspNetCore.Server.Kestrel.")) else {
+    let Some(kestrel) = below.iter().rposition(|f| f.starts_with("Microsoft.AspNetCore.Server.Kestrel.")) else {
         return false;
     };
-    below[kestrel..]
-        .iter()
-        .any(|f| f.starts_with("Microsoft.AspNetCore.") && !f.starts_with("Microsoft.AspNetCore.Server."))
+    below[kestrel + 1..].iter().all(|f| f.starts_with("Microsoft.AspNetCore.") || f == "[runtime stub]")
 }
 
 #[test]
 fn a_kestrel_app_under_wrk_load_is_recorded_by_pid_and_left_without_a_failed_request() {
-    let (mut service, port) = Service::start_listening(Runtime::Net10, "webapp", &["120", "2000"], &[]);
+    // Walk verification (CORSNAP_VERIFY_WALKS=1, read by the agent in the
+    // app): four times a second every thread's signal-engine walk is
+    // compared with DoStackSnapshot's at the same instant.
+    let (mut service, port) =
+        Service::start_listening(Runtime::Net10, "webapp", &["120", "2000"], &[("CORSNAP_VERIFY_WALKS", "1")]);
     let url = format!("http://127.0.0.1:{port}/work?n=2000");
     let mut wrk = start_wrk(&url, 10);
     // Readiness: the app has served 2000 requests, so the load is under way.
@@ -128,6 +139,15 @@ fn a_kestrel_app_under_wrk_load_is_recorded_by_pid_and_left_without_a_failed_req
     assert!(result.requests >= 2000, "{result:?}");
     assert!(service.is_alive(), "{}", service.describe());
 
+    let verification = stderr
+        .lines()
+        .find(|l| l.contains("walk verification:"))
+        .unwrap_or_else(|| panic!("no walk verification line:\n{stderr}"));
+    let numbers: Vec<u64> = verification.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+    let [compared, identical, _late] = numbers[..] else { panic!("{verification}") };
+    assert!(compared >= 8, "{verification}");
+    assert_eq!(identical, compared, "the signal engine's walks and DoStackSnapshot's differed: {verification}");
+
     let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
     let total: u64 = stacks.iter().map(|s| s.count).sum();
     let handler = count_with(&stacks, HANDLER);
@@ -137,15 +157,15 @@ fn a_kestrel_app_under_wrk_load_is_recorded_by_pid_and_left_without_a_failed_req
         result.requests_per_second,
         describe(&stacks)
     );
-    let placed: u64 = stacks.iter().filter(|s| handler_under_kestrel_and_aspnetcore(s)).map(|s| s.count).sum();
+    let placed: u64 = stacks.iter().filter(|s| handler_under_kestrel(s)).map(|s| s.count).sum();
     let misplaced: Vec<String> = stacks
         .iter()
-        .filter(|s| s.frames.iter().any(|f| f == HANDLER) && !handler_under_kestrel_and_aspnetcore(s))
+        .filter(|s| s.frames.iter().any(|f| f == HANDLER) && !handler_under_kestrel(s))
         .map(|s| format!("{:10} {}", s.count, s.frames.join(";")))
         .collect();
     assert!(
         placed * 100 >= handler * 95,
-        "only {placed} of the handler's {handler} ns are under Kestrel and ASP.NET Core frames; the others:\n{}",
+        "only {placed} of the handler's {handler} ns are under Kestrel's frames; the others:\n{}",
         misplaced.join("\n")
     );
 }
