@@ -18,7 +18,10 @@ every other request has a malformed one, so int.Parse throws from inside
 the base library; `validate` is the issue's two-thread workload. For them
 the table also has floor rows (CORSNAP_BENCH_EXCEPTIONS): the runtime's
 exception callbacks alone, and those plus the one synchronous stack walk
-per exception that exact exception stacks need (with each walker). The
+per exception that exact exception stacks need (with each walker); and the
+design issue 18 proposes instead of the callbacks, the runtime's one
+`ExceptionThrown_V1` event per throw from an in-process EventPipe session,
+alone and with the native walk. The
 alloc workload has one too (CORSNAP_BENCH_ALLOC_SESSION_ONLY): the runtime
 delivering its allocation ticks to an agent that ignores them.
 
@@ -42,6 +45,8 @@ LABELS = {
     "monitor": "floor: callbacks only",
     "walk": "floor: callbacks + native walk",
     "walk-snapshot": "floor: callbacks + DoStackSnapshot",
+    "eventpipe": "floor: EventPipe's ExceptionThrown only",
+    "eventpipe-walk": "floor: EventPipe's ExceptionThrown + native walk",
     "session": "floor: the runtime's allocation events only",
     "cpu": "`-e cpu -e exceptions`, native",
     "cpu-snapshot": "`-e cpu -e exceptions`, snapshot",
@@ -96,7 +101,7 @@ def main():
     # walker), or with the agent doing only the runtime's share.
     def modes(workload):
         if WORKLOADS[workload][0] == "exceptions":
-            floors = ["monitor", "walk", "walk-snapshot"]
+            floors = ["monitor", "walk", "walk-snapshot", "eventpipe", "eventpipe-walk"]
             extra = ["cpu", "cpu-snapshot"] if workload == "validate" else []
         else:
             floors, extra = ["session"], []
@@ -121,6 +126,8 @@ def main():
                    "--"] + program
             if mode == "session":
                 e["CORSNAP_BENCH_ALLOC_SESSION_ONLY"] = "1"
+            elif mode.startswith("eventpipe"):
+                e["CORSNAP_BENCH_EXCEPTIONS"] = mode
             elif mode.startswith("walk"):
                 e["CORSNAP_BENCH_EXCEPTIONS"] = "walk"
             elif mode == "monitor":

@@ -43,6 +43,8 @@ const TALLY_SHARDS: usize = 8;
 
 /// `GCAllocationTick`'s event id in the `Microsoft-Windows-DotNETRuntime` provider.
 pub const GC_ALLOCATION_TICK: u32 = 10;
+/// The runtime provider's `ExceptionThrown_V1`: one per throw.
+pub const EXCEPTION_THROWN_V1: u32 = 80;
 
 /// The parts of a `GCAllocationTick_V2..V4` payload corsnap uses.
 #[derive(Debug, Clone, PartialEq, Eq)]
