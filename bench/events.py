@@ -80,7 +80,12 @@ def main():
     ap.add_argument("--workloads", default="validate,alloc", help=f"which of {', '.join(WORKLOADS)}, comma-separated")
     ap.add_argument("--no-floors", dest="floors", action="store_false",
                     help="skip the rows that measure the runtime's share of the cost")
+    ap.add_argument("--modes", default="",
+                    help="only these rows (comma-separated, of " + ", ".join(LABELS) + "), beside the run without "
+                         "a profiler: a longer side-by-side comparison of a few")
     args = ap.parse_args()
+    if unknown := [m for m in args.modes.split(",") if m and m not in LABELS]:
+        sys.exit(f"unknown mode {unknown[0]!r}: choose from {', '.join(LABELS)}")
     env, _ = prepare()
     runtimes = [r for r in args.runtimes.split(",") if r]
     dlls = {}
@@ -105,7 +110,11 @@ def main():
             extra = ["cpu", "cpu-snapshot"] if workload == "validate" else []
         else:
             floors, extra = ["session"], []
-        return ["none", "record", "record-snapshot"] + (floors if args.floors else []) + extra
+        every = ["none", "record", "record-snapshot"] + (floors if args.floors else []) + extra
+        if args.modes:
+            chosen_modes = args.modes.split(",")
+            return ["none"] + [m for m in every if m in chosen_modes]
+        return every
 
     shares = {}
 
@@ -176,7 +185,7 @@ def main():
                 print(f"| {rt} | {workload} (`-e {event}`) | {LABELS[mode]} | {base:.0f} ms | {prof:.0f} ms "
                       f"| {prof / base:.3f} ({(prof / base - 1) * 100:+.1f}%) | {paired_slowdown(base_times, times)} "
                       f"| {added_us:.2f} µs per {unit} (of {base * 1000 / units:.2f}) | {note} |")
-            if workload == "alloc" and args.floors:
+            if workload == "alloc" and args.floors and not args.modes:
                 session = statistics.median(results[(rt, workload, "session")])
                 for mode in ["record", "record-snapshot"]:
                     prof = statistics.median(results[(rt, workload, mode)])
