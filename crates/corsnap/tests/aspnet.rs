@@ -7,7 +7,9 @@ mod support;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use support::{corsnap_bin, count_with, describe, parse_collapsed, scratch, Runtime, Service, Stack};
+use support::{
+    corsnap_bin, count_with, describe, parse_collapsed, scratch, walk_verification, Runtime, Service, Stack,
+};
 
 /// What `wrk` reported: requests completed, responses that were not 2xx or
 /// 3xx, socket errors of every kind (connect, read, write, timeout), and
@@ -139,14 +141,9 @@ fn a_kestrel_app_under_wrk_load_is_recorded_by_pid_and_left_without_a_failed_req
     assert!(result.requests >= 2000, "{result:?}");
     assert!(service.is_alive(), "{}", service.describe());
 
-    let verification = stderr
-        .lines()
-        .find(|l| l.contains("walk verification:"))
-        .unwrap_or_else(|| panic!("no walk verification line:\n{stderr}"));
-    let numbers: Vec<u64> = verification.split_whitespace().filter_map(|w| w.parse().ok()).collect();
-    let [compared, identical, _late] = numbers[..] else { panic!("{verification}") };
-    assert!(compared >= 8, "{verification}");
-    assert_eq!(identical, compared, "the signal engine's walks and DoStackSnapshot's differed: {verification}");
+    let v = walk_verification(&stderr, "record --pid");
+    assert!(v.compared >= 8, "{}", v.line);
+    assert_eq!(v.identical, v.compared, "the signal engine's walks and DoStackSnapshot's differed: {}", v.line);
 
     let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
     let total: u64 = stacks.iter().map(|s| s.count).sum();

@@ -609,13 +609,8 @@ fn shares(name: &str, runtime: Runtime) {
 
 fn verified(name: &str, runtime: Runtime) {
     let run = recording(name, runtime, Engine::Verify);
-    let line = run
-        .stderr
-        .lines()
-        .find(|l| l.contains("walk verification:"))
-        .unwrap_or_else(|| panic!("{name} {runtime:?}: no verification line:\n{}", run.stderr));
-    let numbers: Vec<u64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
-    let [compared, identical, late] = numbers[..] else { panic!("{line}") };
+    let support::WalkVerification { line, compared, identical, late } =
+        support::walk_verification(&run.stderr, &format!("{name} {runtime:?}"));
     let mismatches: Vec<&str> =
         run.log.lines().filter(|l| l.contains("walk verification, thread")).take(4).collect::<Vec<_>>();
     eprintln!("{name} {runtime:?}: {identical} of {compared} walks identical ({late} late)\n{}", mismatches.join("\n"));

@@ -260,14 +260,9 @@ fn verified(runtime: Runtime) {
         );
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(output.status.success(), "{stderr}");
-        let line = stderr
-            .lines()
-            .find(|l| l.contains("walk verification:"))
-            .unwrap_or_else(|| panic!("{program}: no verification line:\n{stderr}"));
-        let numbers: Vec<u64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
-        let [compared, identical, _late] = numbers[..] else { panic!("{line}") };
-        assert!(compared >= 8, "{program}: {line}");
-        assert_eq!(identical, compared, "{program}: {line}");
+        let v = support::walk_verification(&stderr, program);
+        assert!(v.compared >= 8, "{program}: {}", v.line);
+        assert_eq!(v.identical, v.compared, "{program}: {}", v.line);
     }
 }
 

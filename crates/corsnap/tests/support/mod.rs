@@ -172,6 +172,28 @@ pub struct Stack {
     pub count: u64,
 }
 
+/// The CLI's line on walk verification (`CORSNAP_VERIFY_WALKS=1`), and its
+/// numbers: walks compared with `DoStackSnapshot` at the same instant, those
+/// identical, and those not compared (the sample came after the resume).
+pub struct WalkVerification {
+    pub line: String,
+    pub compared: u64,
+    pub identical: u64,
+    pub late: u64,
+}
+
+/// Finds the walk verification line in corsnap's stderr; `what` names the
+/// run in the panic when there is none.
+pub fn walk_verification(stderr: &str, what: &str) -> WalkVerification {
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("walk verification:") && !l.contains("event walk verification:"))
+        .unwrap_or_else(|| panic!("{what}: no walk verification line:\n{stderr}"));
+    let numbers: Vec<u64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+    let [compared, identical, late] = numbers[..] else { panic!("{what}: {line}") };
+    WalkVerification { line: line.to_string(), compared, identical, late }
+}
+
 pub fn parse_collapsed(text: &str) -> Vec<Stack> {
     text.lines()
         .filter(|l| !l.trim().is_empty())
