@@ -97,7 +97,7 @@ fn obey(running: &Running, command: Command) -> Option<String> {
 
 fn detach(running: &Running, why: &str) {
     log::write(format_args!("detaching: {why}"));
-    crate::stop_allocation_sampling(&running.shared);
+    crate::stop_event_pipe_sessions(&running.shared);
     if !running.stop_sampler(&format!("detached ({why})")) {
         // A sampler still running may still have its signal handler (and
         // timers) in place: unloading the library under it could crash the
