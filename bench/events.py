@@ -80,6 +80,8 @@ def main():
     ap.add_argument("--workloads", default="validate,alloc", help=f"which of {', '.join(WORKLOADS)}, comma-separated")
     ap.add_argument("--no-floors", dest="floors", action="store_false",
                     help="skip the rows that measure the runtime's share of the cost")
+    ap.add_argument("--baseline", help="another build's corsnap binary (its agent beside it): every row is also "
+                                       "run with it, interleaved, and marked (baseline)")
     ap.add_argument("--modes", default="",
                     help="only these rows (comma-separated, of " + ", ".join(LABELS) + "), beside the run without "
                          "a profiler: a longer side-by-side comparison of a few")
@@ -113,12 +115,16 @@ def main():
         every = ["none", "record", "record-snapshot"] + (floors if args.floors else []) + extra
         if args.modes:
             chosen_modes = args.modes.split(",")
-            return ["none"] + [m for m in every if m in chosen_modes]
+            every = ["none"] + [m for m in every if m in chosen_modes]
+        if args.baseline:
+            every = every[:1] + [v for m in every[1:] for v in (m, m + "@base")]
         return every
 
     shares = {}
 
     def run(rt, workload, mode):
+        binary = args.baseline if mode.endswith("@base") else corsnap
+        mode = mode.removesuffix("@base")
         dotnet, dll = dlls[rt]
         program = [dotnet, dll, workload, str(sizes[workload])]
         event = WORKLOADS[workload][0]
@@ -131,7 +137,7 @@ def main():
             # runtime's managed exception dispatch, whose frames (and all
             # above them) a profile otherwise folds into `[exception dispatch]`.
             events = ["-e", "cpu", "-e", event, "--roots", "show"] if mode.startswith("cpu") else ["-e", event]
-            cmd = [corsnap, "record", *events, "--walker", walker, "-f", "collapsed", "-o", f"{scratch}/p.txt",
+            cmd = [binary, "record", *events, "--walker", walker, "-f", "collapsed", "-o", f"{scratch}/p.txt",
                    "--"] + program
             if mode == "session":
                 e["CORSNAP_BENCH_ALLOC_SESSION_ONLY"] = "1"
@@ -146,7 +152,8 @@ def main():
         if r.returncode != 0 or not m:
             sys.exit(f"{workload} on .NET {rt} ({mode}) failed:\n{r.stdout}\n{r.stderr}")
         if mode.startswith("cpu"):
-            shares.setdefault((rt, workload, mode), []).append(own_share(f"{scratch}/p.cpu.txt"))
+            key = mode + ("@base" if binary != corsnap else "")
+            shares.setdefault((rt, workload, key), []).append(own_share(f"{scratch}/p.cpu.txt"))
         return float(m.group(1))
 
     results = {}
@@ -177,12 +184,13 @@ def main():
                 times = results[(rt, workload, mode)]
                 prof = statistics.median(times)
                 added_us = (prof - base) * 1000 / units
+                label = LABELS[mode.removesuffix("@base")] + (" (baseline)" if mode.endswith("@base") else "")
                 note = target if mode == "record" else "-"
                 if mode.startswith("cpu"):
                     sh = sorted(shares[(rt, workload, mode)])
                     note = (f"corsnap {statistics.median(sh) * 100:.1f}% of CPU ({sh[0] * 100:.1f}..{sh[-1] * 100:.1f})"
                             + (" (target 2%)" if mode == "cpu" else ""))
-                print(f"| {rt} | {workload} (`-e {event}`) | {LABELS[mode]} | {base:.0f} ms | {prof:.0f} ms "
+                print(f"| {rt} | {workload} (`-e {event}`) | {label} | {base:.0f} ms | {prof:.0f} ms "
                       f"| {prof / base:.3f} ({(prof / base - 1) * 100:+.1f}%) | {paired_slowdown(base_times, times)} "
                       f"| {added_us:.2f} µs per {unit} (of {base * 1000 / units:.2f}) | {note} |")
             if workload == "alloc" and args.floors and not args.modes:

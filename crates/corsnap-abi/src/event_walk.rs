@@ -30,9 +30,13 @@
 //!    native frames (`.eh_frame`) and the managed ones (their `UNWIND_INFO`),
 //!    as the signal handler does from an interrupted context.
 //! 4. The stack is bounded by the mapping the map lists for this stack
-//!    pointer; a stack the map does not list yet (a thread newer than the
-//!    map) is refused ([`OwnWalkError::UnknownStack`]) and the agent is asked
-//!    to read the stacks again: the caller falls back to `DoStackSnapshot`.
+//!    pointer; for a stack the map does not list yet (a thread newer than
+//!    the map), by the bounds the thread library gives for this thread
+//!    (`pthread_getattr_np`, asked once per thread), and the agent reads the
+//!    stacks again at its next round. Only when the thread library cannot
+//!    say is the walk refused ([`OwnWalkError::UnknownStack`]), the agent
+//!    woken to read the stacks, and the caller falls back to
+//!    `DoStackSnapshot`.
 //! 5. Memory is read only through the signal handler's `LiveMemory`: this
 //!    thread's stack mapping and the code regions of the map; a hijacked
 //!    return address is undone from the runtime's thread object as there.
@@ -42,6 +46,7 @@
 //!    the copy again, as it does for signal samples. The guesses the walk
 //!    made past unknown code are never kept as fact.
 
+use std::cell::Cell;
 use std::ptr::null_mut;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -364,7 +369,6 @@ pub fn walk_own_stack<R>(
 /// handler: `pthread_getattr_np` allocates, and on the main thread reads
 /// `/proc/self/maps`; the main thread is in every map anyway.)
 fn own_thread_stack(sp: u64) -> Option<std::ops::Range<u64>> {
-    use std::cell::Cell;
     thread_local! {
         // No destructor: a thread-local with one would pin the agent's
         // library after a detach.
