@@ -727,22 +727,16 @@ impl LiveMemory<'_> {
     /// real one. Measured on .NET 8 (`gcstop.cs` under load): such walks of
     /// the copy ended at the trampoline, up to 1% of `Straight`'s samples.
     ///
-    /// Async-signal-safe, as [`hijacked_return`]. The thread is the one
-    /// interrupted (or the calling one), so its fields and stack hold still;
-    /// the runtime writes the trampoline into the slot after both fields, so
-    /// a slot that holds it has fields to match.
+    /// Async-signal-safe: [`hijack_fields`], and one read of this stack.
+    /// The thread is the one interrupted (or the calling one), so its fields
+    /// and stack hold still; the runtime writes the trampoline into the slot
+    /// after both fields, so a slot that holds it has fields to match.
     pub(crate) fn hijack_in_stack(&self, sp: u64) -> Option<(u64, u64)> {
-        let offset = HIJACK_FIELDS.load(Ordering::Relaxed);
         let trampoline = self.map.hijack_trampoline().unwrap_or_else(|| HIJACK_TRAMPOLINE.load(Ordering::Relaxed));
-        if offset == 0 || self.runtime_thread == 0 || trampoline == 0 {
+        if trampoline == 0 {
             return None;
         }
-        let mut fields = [0u8; 16];
-        if !crate::process::read_own_memory(self.runtime_thread.checked_add(offset)?, &mut fields) {
-            return None;
-        }
-        let original = u64::from_le_bytes(fields[..8].try_into().ok()?);
-        let slot = u64::from_le_bytes(fields[8..].try_into().ok()?);
+        let (original, slot) = hijack_fields(self.runtime_thread)?;
         if original == 0 || original == trampoline || slot < sp || slot % 8 != 0 {
             return None;
         }
@@ -823,6 +817,24 @@ impl Memory for LiveMemory<'_> {
 /// this stack frame; nothing is dereferenced. Called only for managed
 /// frames that return into native code, and most of those addresses are
 /// remembered in [`NOT_HIJACKS`] after their first check.
+/// The runtime's thread object's two hijack fields, `m_pvHJRetAddr` (the
+/// original return address) and `m_ppvHJRetAddrPtr` (the slot it came
+/// from), read with one `process_vm_readv` of 16 bytes into this stack frame
+/// (async-signal-safe; an object no longer mapped is an error, never a
+/// fault). `None` while their offset is unknown, or for a thread the agent
+/// does not know (0).
+fn hijack_fields(runtime_thread: u64) -> Option<(u64, u64)> {
+    let offset = HIJACK_FIELDS.load(Ordering::Relaxed);
+    if offset == 0 || runtime_thread == 0 {
+        return None;
+    }
+    let mut fields = [0u8; 16];
+    if !crate::process::read_own_memory(runtime_thread.checked_add(offset)?, &mut fields) {
+        return None;
+    }
+    Some((u64::from_le_bytes(fields[..8].try_into().ok()?), u64::from_le_bytes(fields[8..].try_into().ok()?)))
+}
+
 fn hijacked_return(
     runtime_thread: u64,
     stack: &std::ops::Range<u64>,
@@ -830,8 +842,7 @@ fn hijacked_return(
     found: u64,
     known: Option<u64>,
 ) -> Option<u64> {
-    let offset = HIJACK_FIELDS.load(Ordering::Relaxed);
-    if offset == 0 || runtime_thread == 0 || found == 0 {
+    if HIJACK_FIELDS.load(Ordering::Relaxed) == 0 || runtime_thread == 0 || found == 0 {
         return None;
     }
     let trampoline = known.unwrap_or_else(|| HIJACK_TRAMPOLINE.load(Ordering::Relaxed));
@@ -841,12 +852,7 @@ fn hijacked_return(
     if trampoline == 0 && NOT_HIJACKS.iter().any(|a| a.load(Ordering::Relaxed) == found) {
         return None;
     }
-    let mut fields = [0u8; 16];
-    if !crate::process::read_own_memory(runtime_thread.checked_add(offset)?, &mut fields) {
-        return None;
-    }
-    let original = u64::from_le_bytes(fields[..8].try_into().ok()?);
-    let taken_from = u64::from_le_bytes(fields[8..].try_into().ok()?);
+    let (original, taken_from) = hijack_fields(runtime_thread)?;
     if taken_from == slot && original != found && original != 0 {
         if trampoline == 0 {
             HIJACK_TRAMPOLINE.store(found, Ordering::Relaxed);
