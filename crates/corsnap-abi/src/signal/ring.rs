@@ -1,0 +1,244 @@
+//! The ring each thread's handler writes its samples into, the records'
+//! layout (frames, and a stack copy when the walk met unknown code), and
+//! the agent's walk again of a sample from its copy.
+
+use super::*;
+
+/// A single-producer, single-consumer ring of words. The producer is the
+/// signal handler on one thread; the consumer is the agent's thread.
+pub(super) struct Ring {
+    pub(super) words: Box<[AtomicU64]>,
+    /// Words ever written (producer); published with release.
+    pub(super) head: AtomicUsize,
+    /// Words ever consumed (consumer).
+    pub(super) tail: AtomicUsize,
+}
+
+impl Ring {
+    pub(super) fn new() -> Ring {
+        Ring {
+            words: (0..RING_WORDS).map(|_| AtomicU64::new(0)).collect(),
+            head: AtomicUsize::new(0),
+            tail: AtomicUsize::new(0),
+        }
+    }
+
+    /// Appends one record, or returns false if it does not fit. With
+    /// `copy`, the registers and `copy.1` words of stack from `regs.sp` go
+    /// after the frames, if there is room for them (else they are left out).
+    /// `copy`: see [`StackToCopy`].
+    pub(super) fn push(&self, mut head: [u64; RECORD_HEAD], frames: &[u64], copy: Option<StackToCopy<'_>>) -> bool {
+        let h = self.head.load(Ordering::Relaxed);
+        let t = self.tail.load(Ordering::Acquire);
+        let free = RING_WORDS - (h - t);
+        let base = RECORD_HEAD + frames.len();
+        if free < base {
+            return false;
+        }
+        // The copy's words go into a block of the shared pool when one is
+        // free (see `copy_pool`): the whole walk's depth, whatever the ring
+        // holds. Only its head (registers, splice) goes into the ring.
+        let pooled = match &copy {
+            Some(_) if free >= base + COPY_HEAD => POOL.take(),
+            _ => None,
+        };
+        // Else, into the ring. A walk through unknown code is kept whole
+        // only with the copy that lets it be walked again: its callers
+        // beyond that code were guessed. Without room for the copy, the
+        // sample keeps the frames up to the unknown one and is marked lost
+        // (shown as an incomplete stack). The deep copy when it fits with
+        // room to spare for the samples that follow before the next drain,
+        // else the one to the splice.
+        let copy = copy.map(|mut c| {
+            if pooled.is_none() && free < base + COPY_HEAD + c.words + RING_WORDS / 4 {
+                c.words = c.words.min(c.min_words);
+            }
+            c
+        });
+        // (A pooled copy always fits: its head was checked before the block
+        // was taken.)
+        let (frames, copy) = match copy {
+            Some(c) if pooled.is_none() && free < base + COPY_HEAD + c.words => {
+                let keep = c.known_frames.min(frames.len());
+                let flags = (head[0] >> 32) as u32 | corsnap_unwind::flags::LOST;
+                head[0] = keep as u64 | u64::from(flags) << 32;
+                (&frames[..keep], None)
+            }
+            c => (frames, c),
+        };
+        let base = RECORD_HEAD + frames.len();
+        // Word 4: the words after the frames in the ring (low 32 bits); with
+        // a pooled copy, also its length (bits 32..48) and block + 1 (48..).
+        head[4] = match (&copy, &pooled) {
+            (Some(c), Some(b)) => COPY_HEAD as u64 | (c.words as u64) << 32 | (b.index as u64 + 1) << 48,
+            (Some(c), None) => (COPY_HEAD + c.words) as u64,
+            (None, _) => 0,
+        };
+        for (i, &w) in head.iter().chain(frames).enumerate() {
+            self.words[(h + i) % RING_WORDS].store(w, Ordering::Relaxed);
+        }
+        let mut n = base;
+        if let Some(c) = copy {
+            let (splice_index, splice_sp) = c.splice.map_or((u64::MAX, 0), |(i, sp)| (i as u64, sp));
+            for w in [c.regs.ip, c.regs.sp, c.regs.bp, splice_index, splice_sp] {
+                self.words[(h + n) % RING_WORDS].store(w, Ordering::Relaxed);
+                n += 1;
+            }
+            for i in 0..c.words {
+                let address = c.regs.sp + 8 * i as u64;
+                let w = match c.undone_hijack {
+                    Some((slot, original)) if slot == address => original,
+                    _ => c.memory.stack_word(address).unwrap_or(0),
+                };
+                match &pooled {
+                    Some(b) => b.store(i, w),
+                    None => {
+                        self.words[(h + n) % RING_WORDS].store(w, Ordering::Relaxed);
+                        n += 1;
+                    }
+                }
+            }
+        }
+        self.head.store(h + n, Ordering::Release);
+        true
+    }
+}
+
+/// What a sample that met unknown code keeps of its stack.
+pub(super) struct StackToCopy<'a> {
+    pub(super) regs: Regs,
+    /// Stack words to copy, from `regs.sp` up: as deep as the walk went.
+    pub(super) words: usize,
+    /// Enough words to reach a little past the splice frame: what is copied
+    /// when the ring is short of room for `words`.
+    pub(super) min_words: usize,
+    pub(super) memory: &'a LiveMemory<'a>,
+    /// A hijacked return address to put back in the copy: (slot, original).
+    pub(super) undone_hijack: Option<(u64, u64)>,
+    /// See `corsnap_unwind::Walk::known_frames`.
+    pub(super) known_frames: usize,
+    /// See `corsnap_unwind::Walk::splice`: (index, stack pointer).
+    pub(super) splice: Option<(usize, u64)>,
+}
+
+/// Words before the copied stack: the registers, then the splice frame's
+/// index (`u64::MAX` for none) and stack pointer.
+pub(super) const COPY_HEAD: usize = 5;
+
+/// What a record's header and word 4 say of its extent (see [`Ring::push`]).
+pub(super) struct RecordExtent {
+    pub(super) frames: usize,
+    /// Words after the frames in the ring: the copy's head, and its words
+    /// when they are not pooled.
+    pub(super) copied: usize,
+    /// The pooled copy: (block, words).
+    pub(super) pooled: Option<(usize, usize)>,
+}
+
+impl RecordExtent {
+    /// The record's words in the ring.
+    pub(super) fn words(&self) -> usize {
+        RECORD_HEAD + self.frames + self.copied
+    }
+}
+
+impl Ring {
+    /// The extent of the record that starts at word `t`.
+    pub(super) fn record_at(&self, t: usize) -> RecordExtent {
+        let word = |i: usize| self.words[(t + i) % RING_WORDS].load(Ordering::Relaxed);
+        let (header, copy) = (word(0), word(4));
+        let block = (copy >> 48) as usize;
+        RecordExtent {
+            frames: (header & 0xffff_ffff) as usize,
+            copied: (copy & 0xffff_ffff) as usize,
+            pooled: (block > 0).then(|| (block - 1, ((copy >> 32) & 0xffff) as usize)),
+        }
+    }
+}
+
+/// One sample as the agent drains it.
+#[derive(Debug, Clone, Copy)]
+pub struct RawSample<'a> {
+    /// CPU nanoseconds this sample stands for (the perf period that ran
+    /// out, or the timer's interval times 1 + its overrun).
+    pub weight_ns: u64,
+    /// `CLOCK_MONOTONIC` nanoseconds when it was taken.
+    pub time_ns: u64,
+    /// `corsnap_unwind::flags`.
+    pub flags: u32,
+    /// Nanoseconds from entering the handler to storing the sample.
+    pub handler_ns: u64,
+    /// Leaf first; see `corsnap_unwind::EXACT_IP`.
+    pub frames: &'a [u64],
+    /// The stack as it was, when the walk met code not known yet.
+    pub stack: Option<StackCopy<'a>>,
+}
+
+/// A copy of the top of a sampled thread's stack, with its registers.
+#[derive(Debug, Clone, Copy)]
+pub struct StackCopy<'a> {
+    pub regs: Regs,
+    /// The words from `regs.sp` up.
+    pub words: &'a [u64],
+    /// The frame after the last one in unknown code when the sample was
+    /// taken: its index among the sample's frames and its stack pointer.
+    /// The copy reaches a little past it, no further: a walk that gets
+    /// there again takes the sample's frames from it on as they are.
+    pub splice: Option<(usize, u64)>,
+}
+
+/// Walks a sample again from its stack copy, with `map` (which may know more
+/// code now than when the sample was taken). Code bytes are read live, as in
+/// the handler: only inside managed regions of `map`, which are mapped.
+/// `original` is the sample's walk (its frames and flags): when the copy
+/// names a splice frame and the new walk reaches it, the original's frames
+/// from there on complete the new walk.
+pub fn rewalk(
+    map: &CodeMap,
+    copy: &StackCopy<'_>,
+    original: (&[u64], u32),
+    cache: &mut WalkCache,
+    out: &mut [u64],
+) -> corsnap_unwind::Walk {
+    struct CopyMemory<'a> {
+        copy: &'a StackCopy<'a>,
+        live: LiveMemory<'a>,
+    }
+    impl Memory for CopyMemory<'_> {
+        fn stack_word(&self, addr: u64) -> Option<u64> {
+            let offset = addr.checked_sub(self.copy.regs.sp)?;
+            if offset % 8 != 0 {
+                let i = (offset / 8) as usize;
+                let (lo, hi) = (*self.copy.words.get(i)?, *self.copy.words.get(i + 1)?);
+                let shift = (offset % 8) * 8;
+                return Some(lo >> shift | hi << (64 - shift));
+            }
+            self.copy.words.get((offset / 8) as usize).copied()
+        }
+        fn code_bytes(&self, region: &ManagedCode, range: std::ops::Range<u64>) -> Option<&[u8]> {
+            self.live.code_bytes(region, range)
+        }
+    }
+    use corsnap_unwind::flags;
+    let memory = CopyMemory { copy, live: LiveMemory { stack: 0..0, map, runtime_thread: 0 } };
+    let (frames, original_flags) = original;
+    let splice = copy.splice.and_then(|(i, sp)| Some((i, frames.get(i)? & !corsnap_unwind::EXACT_IP, sp)));
+    let mut walk = corsnap_unwind::walk_until(map, &memory, copy.regs, cache, out, splice.map(|(_, ip, sp)| (ip, sp)));
+    // On the agent's thread, not in a handler: what the walk learned is
+    // kept at once.
+    map.keep_learned(cache);
+    if let (true, Some((i, ..))) = (walk.flags & flags::REACHED != 0, splice) {
+        let rest = &frames[i..];
+        let n = rest.len().min(out.len() - walk.len);
+        out[walk.len..walk.len + n].copy_from_slice(&rest[..n]);
+        walk.len += n;
+        // The original walk knew every frame from the splice on: its ending
+        // is this walk's ending; what happened before it is this walk's.
+        let ending = flags::COMPLETE | flags::LOST | flags::TRUNCATED | flags::SIGNAL_FRAME | flags::HIJACKED;
+        walk.flags = (walk.flags & !flags::REACHED) | (original_flags & ending);
+        if n < rest.len() {
+            walk.flags = (walk.flags & !flags::COMPLETE) | flags::TRUNCATED;
+        }
+    }
+    walk
+}
