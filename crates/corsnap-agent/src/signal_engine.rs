@@ -219,9 +219,15 @@ pub struct SignalEngine {
     learning_at_compile: Duration,
     rewalked_before_collect: u64,
     started: Instant,
+    /// `CLOCK_MONOTONIC` (the samples' clock) one second after the engine
+    /// started: learning should be over by then (issue 15: after the first
+    /// second, at most 5% of samples meet code not learned yet).
+    settled_ns: u64,
     pub samples: u64,
     pub incomplete: u64,
     pub unknown_code: u64,
+    samples_after_first_second: u64,
+    unknown_code_after_first_second: u64,
     pub truncated: u64,
     resets: u64,
 }
@@ -312,9 +318,12 @@ impl SignalEngine {
             learning_at_compile: Duration::ZERO,
             rewalked_before_collect: 0,
             started: Instant::now(),
+            settled_ns: signal::monotonic_ns() + 1_000_000_000,
             samples: 0,
             incomplete: 0,
             unknown_code: 0,
+            samples_after_first_second: 0,
+            unknown_code_after_first_second: 0,
             truncated: 0,
             resets: 0,
         };
@@ -458,6 +467,8 @@ impl SignalEngine {
         stats.signal_dropped = dropped + c.not_ready + c.no_slot;
         stats.incomplete_stacks = self.incomplete;
         stats.unknown_code_stacks = self.unknown_code;
+        stats.samples_after_first_second = self.samples_after_first_second;
+        stats.unknown_code_stacks_after_first_second = self.unknown_code_after_first_second;
         stats.truncated_stacks = self.truncated;
         stats.threads_sampled = self.threads.len() as u64;
         if let Some(s) = &self.sampler {
@@ -673,8 +684,11 @@ impl SignalEngine {
             self.handler_times[self.handler_next] = handler_ns;
             self.handler_next = (self.handler_next + 1) % 4096;
         }
-        if walk_flags & flags::UNKNOWN_CODE != 0 {
-            self.unknown_code += 1;
+        let unknown_code = walk_flags & flags::UNKNOWN_CODE != 0;
+        self.unknown_code += u64::from(unknown_code);
+        if time_ns >= self.settled_ns {
+            self.samples_after_first_second += 1;
+            self.unknown_code_after_first_second += u64::from(unknown_code);
         }
         let truncated = walk_flags & flags::TRUNCATED != 0;
         if truncated {

@@ -237,6 +237,11 @@ pub struct SamplerStats {
     /// Signal engine (`--cpu-clock auto`): times a thread was moved from
     /// one clock to the other.
     pub clock_switches: u64,
+    /// Signal engine: samples taken more than a second after sampling
+    /// started, and of those, the stacks with a frame in code not yet
+    /// learned: whether learning converged.
+    pub samples_after_first_second: u64,
+    pub unknown_code_stacks_after_first_second: u64,
 }
 
 /// Everything that travels from the agent to the CLI. `Recording` is written
@@ -749,7 +754,7 @@ fn finish_frame(buf: &mut [u8], start: usize) {
     buf[start..start + 4].copy_from_slice(&len.to_le_bytes());
 }
 
-const STATS_FIELDS: usize = 29;
+const STATS_FIELDS: usize = 31;
 
 fn stats_fields(s: &SamplerStats) -> [u64; STATS_FIELDS] {
     [
@@ -782,6 +787,8 @@ fn stats_fields(s: &SamplerStats) -> [u64; STATS_FIELDS] {
         s.threads_sampled,
         s.threads_on_timers,
         s.clock_switches,
+        s.samples_after_first_second,
+        s.unknown_code_stacks_after_first_second,
     ]
 }
 
@@ -816,6 +823,8 @@ fn stats_from_fields(v: [u64; STATS_FIELDS]) -> SamplerStats {
         threads_sampled: v[26],
         threads_on_timers: v[27],
         clock_switches: v[28],
+        samples_after_first_second: v[29],
+        unknown_code_stacks_after_first_second: v[30],
     }
 }
 
@@ -1176,15 +1185,15 @@ mod tests {
         let body = &buf[4..];
         // Version 2 agents (and raw recordings) sent 18 fields, and those
         // before the signal engine 19.
-        let older = &body[..body.len() - 11 * 8];
+        let older = &body[..body.len() - 13 * 8];
         assert_eq!(
             Message::decode(older),
             Ok(Message::Stats(SamplerStats { throttled_ticks: 0, ..stats })),
             "the 18 fields of an older agent"
         );
-        let before_signal = &body[..body.len() - 10 * 8];
+        let before_signal = &body[..body.len() - 12 * 8];
         assert_eq!(Message::decode(before_signal), Ok(Message::Stats(stats)), "19 fields");
-        assert!(Message::decode(&body[..body.len() - 12 * 8]).is_err(), "fewer than 18 is broken");
+        assert!(Message::decode(&body[..body.len() - 14 * 8]).is_err(), "fewer than 18 is broken");
     }
 
     #[test]
