@@ -132,7 +132,7 @@ pub(super) fn open_perf_event(tid: u32) -> std::io::Result<i32> {
 /// (512 eight-byte overflow records).
 const PERF_MMAP_BYTES: usize = 2 * 4096;
 /// `struct perf_event_mmap_page`: `data_head` at 1024, `data_tail` at 1032.
-const PERF_DATA_HEAD: usize = 1024;
+pub(super) const PERF_DATA_HEAD: usize = 1024;
 const PERF_DATA_TAIL: usize = 1032;
 
 /// Maps the event's ring buffer; its control page's address.
