@@ -32,7 +32,9 @@ use crate::code_learning::{knows_code, CodeLearner, Learned, STUB_TAG};
 use crate::log;
 use crate::native_modules::SharedNativeModules;
 use crate::runtime_layout::RuntimeLayout;
-use crate::signal_engine::{fold_funclets, FrameName, INCOMPLETE_KEY, UNKNOWN_CODE_KEY};
+use crate::signal_engine::{
+    fold_funclets, funclet_kind, image_funclets, FrameName, FuncletKind, INCOMPLETE_KEY, UNKNOWN_CODE_KEY,
+};
 use crate::symbols::Symbolizer;
 
 /// Entries in the address caches before they are emptied.
@@ -220,6 +222,7 @@ impl EventWalker {
     fn name_frames(&mut self, raw: &[u64]) -> Vec<u64> {
         let mut frames = Vec::with_capacity(raw.len());
         let mut funclets: Vec<(usize, u64)> = Vec::new();
+        let mut image_entries: Vec<(usize, u64, u64)> = Vec::new();
         for &frame in raw {
             let address = lookup_address(frame);
             let key = self.frame_id(address);
@@ -234,11 +237,18 @@ impl EventWalker {
             {
                 continue;
             }
-            if self.is_funclet(address) {
-                funclets.push((frames.len(), key));
+            match funclet_kind(&self.map, address) {
+                FuncletKind::Funclet => funclets.push((frames.len(), key)),
+                // Only a named method: unknown code has one key for all.
+                FuncletKind::ImageEntry { region, entry } if key & NATIVE_FRAME_BIT == 0 => {
+                    image_entries.push((frames.len(), region, entry))
+                }
+                FuncletKind::ImageEntry { .. } => {}
+                FuncletKind::No => {}
             }
             frames.push(key);
         }
+        image_funclets(&frames, &image_entries, &mut funclets);
         // Event stacks carry no IL offsets: the same frames go from a
         // stand-in of the right length.
         let mut no_offsets = vec![0; frames.len()];
@@ -360,12 +370,6 @@ impl EventWalker {
             }
             f => self.managed(f as FunctionID),
         }
-    }
-
-    fn is_funclet(&self, address: u64) -> bool {
-        let Some(region) = self.map.managed_at(address) else { return false };
-        region.tag >= crate::code_learning::TAG_LIMIT
-            && region.function_at(address).is_some_and(|f| f.start != region.code.start)
     }
 
     fn managed(&mut self, function: FunctionID) -> u64 {

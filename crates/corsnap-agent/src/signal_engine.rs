@@ -774,6 +774,7 @@ impl SignalEngine {
             // The method a catch or finally block belongs to, at the index
             // its frame takes in `frames`.
             let mut funclets: Vec<(usize, u64)> = Vec::new();
+            let mut image_entries: Vec<(usize, u64, u64)> = Vec::new();
             for &frame in raw {
                 let address = lookup_address(frame);
                 let key = self.frame_id(address);
@@ -783,8 +784,14 @@ impl SignalEngine {
                 {
                     continue;
                 }
-                if self.is_funclet(address) {
-                    funclets.push((frames.len(), key));
+                match funclet_kind(&self.map, address) {
+                    FuncletKind::Funclet => funclets.push((frames.len(), key)),
+                    // Only a named method: unknown code has one key for all.
+                    FuncletKind::ImageEntry { region, entry } if key & NATIVE_FRAME_BIT == 0 => {
+                        image_entries.push((frames.len(), region, entry))
+                    }
+                    FuncletKind::ImageEntry { .. } => {}
+                    FuncletKind::No => {}
                 }
                 frames.push(key);
                 let managed = key & NATIVE_FRAME_BIT == 0;
@@ -795,6 +802,7 @@ impl SignalEngine {
                     NO_IL_OFFSET
                 });
             }
+            image_funclets(&frames, &image_entries, &mut funclets);
             fold_funclets(&mut frames, &mut il_offsets, &funclets);
             if self.stack_ids.len() >= STACK_CACHE_CAP {
                 self.stack_ids.clear();
@@ -943,15 +951,6 @@ impl SignalEngine {
         let (tag, start) = in_map
             .or_else(|| self.managed.iter().rev().find(|m| m.code.contains(&address)).map(|m| (m.tag, m.code.start)))?;
         (tag >= crate::code_learning::TAG_LIMIT).then_some(start)
-    }
-
-    /// Whether `address` is in a funclet (a catch, filter or finally block)
-    /// of a JIT'd method: a function-table entry of its body other than the
-    /// first, which is the method's own code.
-    fn is_funclet(&self, address: u64) -> bool {
-        let Some(region) = self.map.managed_at(address) else { return false };
-        region.tag >= crate::code_learning::TAG_LIMIT
-            && region.function_at(address).is_some_and(|f| f.start != region.code.start)
     }
 
     /// The frame of an address in a region of the code map, by its tag.
@@ -1246,6 +1245,61 @@ fn is_agent_thread(tid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/self/task/{tid}/comm")).is_ok_and(|n| n.starts_with("corsnap-"))
 }
 
+/// What a managed frame's address says of a funclet (a catch, filter or
+/// finally block) there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FuncletKind {
+    /// In a JIT'd method's funclet: a function-table entry of its body
+    /// other than the first, which is the method's own code.
+    Funclet,
+    /// In a ReadyToRun image, whose table lists bodies and funclets alike
+    /// (only the runtime knows which entry begins a method): the image's
+    /// start and the entry's, for [`image_funclets`].
+    ImageEntry {
+        region: u64,
+        entry: u64,
+    },
+    No,
+}
+
+pub(crate) fn funclet_kind(map: &CodeMap, address: u64) -> FuncletKind {
+    let Some(region) = map.managed_at(address) else { return FuncletKind::No };
+    let Some(function) = region.function_at(address) else { return FuncletKind::No };
+    match region.tag {
+        0 => FuncletKind::ImageEntry { region: region.code.start, entry: function.start },
+        t if t >= crate::code_learning::TAG_LIMIT && function.start != region.code.start => FuncletKind::Funclet,
+        _ => FuncletKind::No,
+    }
+}
+
+/// The funclets among a stack's frames in ReadyToRun images
+/// (`entries`: index in `frames`, image, function-table entry), added to
+/// `funclets` in order. A funclet's frame always lies above a frame of its
+/// own method in the same code (the body that called it, as a `finally`
+/// on the way out of a `try` is called, or whose exception it handles),
+/// and the JIT lays a method's funclets out after its body, so their
+/// entries come later in the table: a frame whose method's next frame down
+/// is in the same image but an earlier entry is in a funclet. (A recursive
+/// call from a body is in the same entry as its caller; one from a funclet
+/// is in an earlier entry than the funclet.) Without this, Kestrel's
+/// `TryParseRequest`, whose `finally` calls `AdvanceTo`, showed twice
+/// where `DoStackSnapshot` shows it once.
+pub(crate) fn image_funclets(frames: &[u64], entries: &[(usize, u64, u64)], funclets: &mut Vec<(usize, u64)>) {
+    let mut found = false;
+    for (n, &(at, region, entry)) in entries.iter().enumerate() {
+        let Some(&method) = frames.get(at) else { continue };
+        let Some(down) = frames[at + 1..].iter().position(|&k| k == method).map(|i| at + 1 + i) else { continue };
+        let below = entries[n + 1..].iter().find(|e| e.0 == down);
+        if below.is_some_and(|&(_, r, e)| r == region && e < entry) {
+            funclets.push((at, method));
+            found = true;
+        }
+    }
+    if found {
+        funclets.sort_unstable();
+    }
+}
+
 /// A funclet (catch, filter, finally) runs on top of the frames of the
 /// exception it handles: the throw, the runtime's dispatch, then, further
 /// down, the frame of the method it belongs to. `DoStackSnapshot` (and the
@@ -1291,6 +1345,41 @@ mod funclet_tests {
         let mut frames = vec![40, 1, 41, 40, 10, 2, 10, 30];
         fold_funclets(&mut frames, &mut Vec::new(), &[(0, 40), (4, 10)]);
         assert_eq!(frames, [40, 10, 30]);
+    }
+
+    #[test]
+    fn a_finally_in_a_ready_to_run_image_is_found_by_its_methods_frame_below() {
+        use super::image_funclets;
+        const IMAGE: u64 = 0x7000_0000;
+        // Leaf first: AdvanceTo (20), called from TryParseRequest's finally
+        // (10, entry 0x900), called from its body (10, entry 0x800), then
+        // its caller (30).
+        let frames = [20, 10, 10, 30];
+        let entries = [(0, IMAGE, 0x100), (1, IMAGE, 0x900), (2, IMAGE, 0x800), (3, IMAGE, 0x200)];
+        let mut funclets = Vec::new();
+        image_funclets(&frames, &entries, &mut funclets);
+        assert_eq!(funclets, [(1, 10)]);
+        let mut frames = frames.to_vec();
+        fold_funclets(&mut frames, &mut Vec::new(), &funclets);
+        assert_eq!(frames, [20, 10, 30], "shown once, under its caller");
+        // A recursion from the body: the same entry, two frames.
+        let mut funclets = Vec::new();
+        image_funclets(&[10, 10, 30], &[(0, IMAGE, 0x800), (1, IMAGE, 0x800), (2, IMAGE, 0x200)], &mut funclets);
+        assert!(funclets.is_empty());
+        // A recursion from a funclet: the inner body's frame is in an
+        // earlier entry than the funclet below it, and stays.
+        let mut funclets = Vec::new();
+        image_funclets(
+            &[10, 10, 10, 30],
+            &[(0, IMAGE, 0x800), (1, IMAGE, 0x900), (2, IMAGE, 0x800), (3, IMAGE, 0x200)],
+            &mut funclets,
+        );
+        assert_eq!(funclets, [(1, 10)]);
+        // The same method in another image, or in JIT'd code: not paired.
+        let mut funclets = Vec::new();
+        image_funclets(&[10, 10], &[(0, IMAGE, 0x900), (1, IMAGE + 0x10_0000, 0x800)], &mut funclets);
+        image_funclets(&[10, 10], &[(0, IMAGE, 0x900)], &mut funclets);
+        assert!(funclets.is_empty());
     }
 }
 

@@ -116,9 +116,12 @@ fn a_kestrel_app_under_wrk_load_is_recorded_by_pid_and_left_without_a_failed_req
 
     let dir = scratch("aspnet-under-load");
     let out = dir.join("p.txt");
+    let log = dir.join("agent.log");
     let record = Command::new(corsnap_bin())
         .args(["record", "--pid", &service.pid.to_string(), "-d", "2", "-r", "100", "-f", "collapsed", "-o"])
         .arg(&out)
+        .arg("--agent-log")
+        .arg(&log)
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&record.stderr);
@@ -143,7 +146,19 @@ fn a_kestrel_app_under_wrk_load_is_recorded_by_pid_and_left_without_a_failed_req
 
     let v = walk_verification(&stderr, "record --pid");
     assert!(v.compared >= 8, "{}", v.line);
-    assert_eq!(v.identical, v.compared, "the signal engine's walks and DoStackSnapshot's differed: {}", v.line);
+    let differing: Vec<String> = std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("walk verification, thread"))
+        .map(str::to_string)
+        .collect();
+    assert_eq!(
+        v.identical,
+        v.compared,
+        "the signal engine's walks and DoStackSnapshot's differed: {}\n{}",
+        v.line,
+        differing.join("\n")
+    );
 
     let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
     let total: u64 = stacks.iter().map(|s| s.count).sum();
