@@ -379,6 +379,7 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
     // SAFETY: only this thread's handler touches `walking` (tid checked
     // above), and it cannot be re-entered while SIGPROF is blocked.
     let walking = unsafe { &mut *slot.walking.get() };
+    walking.cache.prefetch_for_walk(|at| prefetch(at as usize));
     let weight_ns = if requested {
         // Asked for, not a clock's: no weight, and the clock is untouched.
         0
@@ -437,6 +438,7 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
         NOT_READY.fetch_add(1, Ordering::Relaxed);
         return;
     };
+    map.prefetch_for_walk(|at| prefetch(at as usize));
     // SAFETY: the kernel's ucontext_t for this signal.
     let gregs = unsafe { &(*(context as *const libc::ucontext_t)).uc_mcontext.gregs };
     let regs = Regs {
