@@ -32,9 +32,7 @@ use crate::code_learning::{knows_code, CodeLearner, Learned, STUB_TAG};
 use crate::log;
 use crate::native_modules::SharedNativeModules;
 use crate::runtime_layout::RuntimeLayout;
-use crate::signal_engine::{
-    fold_funclets, funclet_kind, image_funclets, FrameName, FuncletKind, INCOMPLETE_KEY, UNKNOWN_CODE_KEY,
-};
+use crate::signal_engine::{FrameName, Funclets, INCOMPLETE_KEY, UNKNOWN_CODE_KEY};
 use crate::symbols::Symbolizer;
 
 /// Entries in the address caches before they are emptied.
@@ -221,8 +219,7 @@ impl EventWalker {
 
     fn name_frames(&mut self, raw: &[u64]) -> Vec<u64> {
         let mut frames = Vec::with_capacity(raw.len());
-        let mut funclets: Vec<(usize, u64)> = Vec::new();
-        let mut image_entries: Vec<(usize, u64, u64)> = Vec::new();
+        let mut funclets = Funclets::default();
         for &frame in raw {
             let address = lookup_address(frame);
             let key = self.frame_id(address);
@@ -237,22 +234,14 @@ impl EventWalker {
             {
                 continue;
             }
-            match funclet_kind(&self.map, address) {
-                FuncletKind::Funclet => funclets.push((frames.len(), key)),
-                // Only a named method: unknown code has one key for all.
-                FuncletKind::ImageEntry { region, entry } if key & NATIVE_FRAME_BIT == 0 => {
-                    image_entries.push((frames.len(), region, entry))
-                }
-                FuncletKind::ImageEntry { .. } => {}
-                FuncletKind::No => {}
-            }
+            funclets.note(&self.map, address, frames.len(), key);
             frames.push(key);
         }
-        image_funclets(&frames, &image_entries, &mut funclets);
+
         // Event stacks carry no IL offsets: the same frames go from a
         // stand-in of the right length.
         let mut no_offsets = vec![0; frames.len()];
-        fold_funclets(&mut frames, &mut no_offsets, &funclets);
+        funclets.fold(&mut frames, &mut no_offsets);
         frames
     }
 

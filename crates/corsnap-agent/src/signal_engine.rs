@@ -773,8 +773,7 @@ impl SignalEngine {
         } else {
             // The method a catch or finally block belongs to, at the index
             // its frame takes in `frames`.
-            let mut funclets: Vec<(usize, u64)> = Vec::new();
-            let mut image_entries: Vec<(usize, u64, u64)> = Vec::new();
+            let mut funclets = Funclets::default();
             for &frame in raw {
                 let address = lookup_address(frame);
                 let key = self.frame_id(address);
@@ -784,15 +783,7 @@ impl SignalEngine {
                 {
                     continue;
                 }
-                match funclet_kind(&self.map, address) {
-                    FuncletKind::Funclet => funclets.push((frames.len(), key)),
-                    // Only a named method: unknown code has one key for all.
-                    FuncletKind::ImageEntry { region, entry } if key & NATIVE_FRAME_BIT == 0 => {
-                        image_entries.push((frames.len(), region, entry))
-                    }
-                    FuncletKind::ImageEntry { .. } => {}
-                    FuncletKind::No => {}
-                }
+                funclets.note(&self.map, address, frames.len(), key);
                 frames.push(key);
                 let managed = key & NATIVE_FRAME_BIT == 0;
                 il_offsets.push(if managed {
@@ -802,8 +793,7 @@ impl SignalEngine {
                     NO_IL_OFFSET
                 });
             }
-            image_funclets(&frames, &image_entries, &mut funclets);
-            fold_funclets(&mut frames, &mut il_offsets, &funclets);
+            funclets.fold(&mut frames, &mut il_offsets);
             if self.stack_ids.len() >= STACK_CACHE_CAP {
                 self.stack_ids.clear();
                 self.resets += 1;
@@ -1248,7 +1238,7 @@ fn is_agent_thread(tid: u32) -> bool {
 /// What a managed frame's address says of a funclet (a catch, filter or
 /// finally block) there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum FuncletKind {
+enum FuncletKind {
     /// In a JIT'd method's funclet: a function-table entry of its body
     /// other than the first, which is the method's own code.
     Funclet,
@@ -1262,13 +1252,43 @@ pub(crate) enum FuncletKind {
     No,
 }
 
-pub(crate) fn funclet_kind(map: &CodeMap, address: u64) -> FuncletKind {
+fn funclet_kind(map: &CodeMap, address: u64) -> FuncletKind {
     let Some(region) = map.managed_at(address) else { return FuncletKind::No };
     let Some(function) = region.function_at(address) else { return FuncletKind::No };
     match region.tag {
         0 => FuncletKind::ImageEntry { region: region.code.start, entry: function.start },
         t if t >= crate::code_learning::TAG_LIMIT && function.start != region.code.start => FuncletKind::Funclet,
         _ => FuncletKind::No,
+    }
+}
+
+/// The funclets of a stack being named, frame by frame.
+#[derive(Debug, Default)]
+pub(crate) struct Funclets {
+    /// (index in the named frames, the method's frame key).
+    found: Vec<(usize, u64)>,
+    /// Frames in ReadyToRun images, for [`image_funclets`].
+    image_entries: Vec<(usize, u64, u64)>,
+}
+
+impl Funclets {
+    /// Notes the frame of `address`, whose key `key` is about to take
+    /// index `at` among the named frames.
+    pub(crate) fn note(&mut self, map: &CodeMap, address: u64, at: usize, key: u64) {
+        match funclet_kind(map, address) {
+            FuncletKind::Funclet => self.found.push((at, key)),
+            // Only a named method: unknown code has one key for all.
+            FuncletKind::ImageEntry { region, entry } if key & NATIVE_FRAME_BIT == 0 => {
+                self.image_entries.push((at, region, entry))
+            }
+            FuncletKind::ImageEntry { .. } | FuncletKind::No => {}
+        }
+    }
+
+    /// Folds each funclet into its method (see [`fold_funclets`]).
+    pub(crate) fn fold(mut self, frames: &mut Vec<u64>, il_offsets: &mut Vec<u32>) {
+        image_funclets(frames, &self.image_entries, &mut self.found);
+        fold_funclets(frames, il_offsets, &self.found);
     }
 }
 
@@ -1284,7 +1304,7 @@ pub(crate) fn funclet_kind(map: &CodeMap, address: u64) -> FuncletKind {
 /// is in an earlier entry than the funclet.) Without this, Kestrel's
 /// `TryParseRequest`, whose `finally` calls `AdvanceTo`, showed twice
 /// where `DoStackSnapshot` shows it once.
-pub(crate) fn image_funclets(frames: &[u64], entries: &[(usize, u64, u64)], funclets: &mut Vec<(usize, u64)>) {
+fn image_funclets(frames: &[u64], entries: &[(usize, u64, u64)], funclets: &mut Vec<(usize, u64)>) {
     let mut found = false;
     for (n, &(at, region, entry)) in entries.iter().enumerate() {
         let Some(&method) = frames.get(at) else { continue };
@@ -1309,7 +1329,7 @@ pub(crate) fn image_funclets(frames: &[u64], entries: &[(usize, u64, u64)], func
 /// keeps its stack as it is. `funclets`: (index in `frames`, leaf first; the
 /// method's frame key), in order.
 /// `il_offsets`, one per frame, lose the same frames.
-pub(crate) fn fold_funclets(frames: &mut Vec<u64>, il_offsets: &mut Vec<u32>, funclets: &[(usize, u64)]) {
+fn fold_funclets(frames: &mut Vec<u64>, il_offsets: &mut Vec<u32>, funclets: &[(usize, u64)]) {
     // From the root end, so earlier indices stay valid.
     for &(at, method) in funclets.iter().rev() {
         if at >= frames.len() || frames[at] != method {

@@ -21,14 +21,24 @@ const ROUNDS: &str = "300";
 fn run(runtime: Runtime, walker: &str, events: &[&str], verify: bool) -> (Vec<Stack>, Option<Vec<Stack>>, String) {
     let dir = scratch(&format!("eventwalks-{runtime:?}-{walker}-{}-{verify}", events.join("_")));
     let out = dir.join("p.txt");
+    let log = dir.join("agent.log");
     let mut args = vec!["-f", "collapsed", "--walker", walker, "-o", out.to_str().unwrap()];
+    args.extend(["--agent-log", log.to_str().unwrap()]);
     for e in events {
         args.extend(["-e", e]);
     }
     let env: &[(&str, &str)] = if verify { &[("CORSNAP_VERIFY_EVENT_WALKS", "1")] } else { &[] };
     let output = record_with_env(runtime, "eventshapes", &[ROUNDS], &args, env, None);
-    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    let mut stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert!(output.status.success(), "{stderr}");
+    // The stacks the walkers disagreed on, from the agent's log, for a
+    // failure to show.
+    for line in std::fs::read_to_string(&log).unwrap_or_default().lines() {
+        if line.contains("event walk verification (") {
+            stderr.push_str(line);
+            stderr.push('\n');
+        }
+    }
     assert!(String::from_utf8_lossy(&output.stdout).contains(&format!("rounds {ROUNDS}")));
     let read = |kind: &str| {
         let path = if events.len() == 1 { out.clone() } else { dir.join(format!("p.{kind}.txt")) };
