@@ -116,7 +116,7 @@ fn a_program_killed_in_the_middle_of_sampling_still_gets_its_profile_written() {
     let dir = scratch("torture-killed");
     let log = dir.join("agent.log");
     let dll = compiled("storm", Runtime::Net10);
-    let cli = Command::new(corsnap_bin())
+    let mut cli = Command::new(corsnap_bin())
         .args(["record", "-r", "1000", "-f", "collapsed", "-o"])
         .arg(dir.join("p.txt"))
         .arg("--agent-log")
@@ -125,15 +125,24 @@ fn a_program_killed_in_the_middle_of_sampling_still_gets_its_profile_written() {
         .arg(Runtime::Net10.dotnet())
         .arg(&dll)
         .args(["gc", "30"])
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let started = Instant::now();
-    while !std::fs::read_to_string(&log).unwrap_or_default().contains("started") {
-        assert!(started.elapsed() < Duration::from_secs(20), "agent never started");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    // Readiness: the program says its storms have started (under load its
+    // start-up alone took longer than a fixed wait, and it was killed before
+    // it had allocated anything); then it storms for a while under sampling.
+    let stdout = cli.stdout.take().unwrap();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line.starts_with("ready ") {
+                let _ = ready_tx.send(());
+            }
+        }
+    });
+    ready_rx.recv_timeout(Duration::from_secs(60)).expect("the program never said it was storming");
     std::thread::sleep(Duration::from_millis(800));
     let pid: u32 = std::fs::read_to_string(&log)
         .unwrap()
