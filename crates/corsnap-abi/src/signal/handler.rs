@@ -18,11 +18,11 @@
 //!    other lines and its perf page) are prefetched: a hint that reads
 //!    nothing into the program and never faults, whatever the address, so
 //!    their misses overlap. The slot is found in [`SLOTS`] (a static array
-//!    of atomic pointers) and checked to belong to this thread: the first time by `gettid` (a plain
-//!    system call), which then leaves the thread's `pthread_self` in the
-//!    slot; after that by `pthread_self` alone, which in glibc reads the
-//!    thread pointer (`%fs`) and takes no lock (0.2 to 0.3 µs less a
-//!    sample here than the system call). Then the sample's weight: a perf
+//!    of atomic pointers) and checked to belong to this thread: the first
+//!    time by `gettid` (a plain system call), which then leaves the
+//!    thread's `pthread_self` in the slot; after that by `pthread_self`
+//!    alone, which in glibc reads the thread pointer (`%fs`) and takes no
+//!    lock (0.2 to 0.3 µs less a sample here than the system call). Then the sample's weight: a perf
 //!    event's period (one store marks its records read; every 16th sample
 //!    an `ioctl` sets a new period), or a periodic timer's period times
 //!    1 + `si_overrun` (every 16th sample `clock_gettime` of the thread's
