@@ -154,9 +154,7 @@ impl Memory for LiveMemory<'_> {
     }
 
     fn prefetch(&self, addr: u64) {
-        // SAFETY: PREFETCHT0 is a hint: it never faults, whatever the
-        // address (Intel SDM vol. 2, PREFETCHh), and reads nothing back.
-        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(addr as *const i8) };
+        prefetch(addr as usize);
     }
 }
 
@@ -240,8 +238,8 @@ fn hijacked_return(
 /// faults).
 #[inline(always)]
 fn prefetch(addr: usize) {
-    // SAFETY: a prefetch is a hint; it reads nothing into the program and
-    // never faults, whatever the address.
+    // SAFETY: PREFETCHT0 is a hint: it never faults, whatever the address
+    // (Intel SDM vol. 2, PREFETCHh), and reads nothing back.
     unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(addr as *const i8) };
 }
 
