@@ -21,6 +21,26 @@ pub fn read_own_memory(addr: u64, buf: &mut [u8]) -> bool {
     n == buf.len() as isize
 }
 
+/// Has the kernel map every page of `[addr, addr + len)` (rounded out to
+/// whole pages) now, writable, without changing what they hold
+/// (`MADV_POPULATE_WRITE`, Linux 5.14; an older kernel refuses it, and
+/// the pages are mapped at first touch as before). For memory a signal
+/// handler will touch: zeroed allocations are left unmapped until then, and
+/// a page fault inside the handler, measured in this VM, took tens of
+/// microseconds. On the agent's thread only.
+pub fn populate(addr: usize, len: usize) {
+    const PAGE: usize = 4096;
+    if len == 0 {
+        return;
+    }
+    let start = addr & !(PAGE - 1);
+    let end = addr.saturating_add(len).next_multiple_of(PAGE);
+    // SAFETY: MADV_POPULATE_WRITE changes no contents: it faults in pages
+    // of mappings that already exist (the range holds live allocations of
+    // ours, rounded out to their pages), and fails for anything else.
+    unsafe { libc::madvise(start as *mut c_void, end - start, libc::MADV_POPULATE_WRITE) };
+}
+
 /// `read_own_memory` into a new vector.
 pub fn read_own_bytes(addr: u64, len: usize) -> Option<Vec<u8>> {
     let mut v = vec![0u8; len];

@@ -77,6 +77,11 @@ impl KnownAddresses {
         KnownAddresses { sets: Box::new([Set::default(); SETS]) }
     }
 
+    /// Where its sets lie, as (address, bytes).
+    pub(crate) fn block(&self) -> (usize, usize) {
+        (self.sets.as_ptr() as usize, std::mem::size_of_val(&*self.sets))
+    }
+
     /// The entry for `address` found in a map of `lineage`.
     pub(crate) fn find(&self, lineage: u64, address: u64) -> Option<KnownAddress> {
         let lineage = key(lineage)?;
@@ -138,6 +143,10 @@ pub(crate) struct SharedKnownAddresses {
 impl SharedKnownAddresses {
     pub(crate) fn new(entries: usize) -> Self {
         SharedKnownAddresses { entries: SeqlockTable::new(entries) }
+    }
+
+    pub(crate) fn block(&self) -> (usize, usize) {
+        self.entries.block()
     }
 
     fn index(&self, address: u64) -> usize {

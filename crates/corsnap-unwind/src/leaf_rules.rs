@@ -142,6 +142,11 @@ impl LeafRules {
         LeafRules { entries: SeqlockTable::new(entries) }
     }
 
+    /// Where its entries lie, as (address, bytes).
+    pub(crate) fn block(&self) -> (usize, usize) {
+        self.entries.block()
+    }
+
     fn index(&self, ip: u64) -> usize {
         ((ip / GRANULE) % self.entries.len().max(1) as u64) as usize
     }

@@ -210,6 +210,13 @@ struct KnownFrame {
 }
 
 impl WalkCache {
+    /// The blocks of memory this cache holds apart from its own struct, as
+    /// (address, bytes): for its owner to have their pages mapped before a
+    /// signal handler first touches them (see [`CodeMap::table_blocks`]).
+    pub fn heap_blocks(&self) -> [(usize, usize); 1] {
+        [self.known.block()]
+    }
+
     /// Hands `prefetch` the lines of this cache every walk reads or writes
     /// first (see [`CodeMap::prefetch_for_walk`]): the deep end of the last
     /// walk, and the counts and learned records a walk starts by clearing.
@@ -455,6 +462,15 @@ struct ProcessLearning {
 }
 
 impl CodeMap {
+    /// The process's tables this map shares with the maps of its natives
+    /// (leaf stretches, return addresses), as (address, bytes). Their memory
+    /// is allocated zeroed, so its pages are mapped only when first touched:
+    /// by a walk in a signal handler, a page fault, which in this VM took
+    /// tens of microseconds. The owner has them mapped beforehand.
+    pub fn table_blocks(&self) -> [(usize, usize); 2] {
+        [self.process_learning.leaf_rules.block(), self.process_learning.known_addresses.block()]
+    }
+
     /// Hands `prefetch` the lines of this map a walk reads first: its own
     /// fields, the process's tables' heads, and the first steps of the
     /// searches of its regions. A signal handler at 100 Hz finds them all

@@ -21,6 +21,13 @@ pub(crate) struct SeqlockTable {
     words: Box<[AtomicU64]>,
 }
 
+impl SeqlockTable {
+    /// Where its entries lie, as (address, bytes).
+    pub(crate) fn block(&self) -> (usize, usize) {
+        (self.words.as_ptr() as usize, std::mem::size_of_val(&*self.words))
+    }
+}
+
 impl Default for SeqlockTable {
     /// A table of no entries: nothing kept, nothing found.
     fn default() -> Self {

@@ -47,9 +47,13 @@
 //!    address no longer mapped is an error, never a fault) into the
 //!    handler's stack, to undo a return-address hijack ([`hijacked_return`]).
 //! 8. `clock_gettime(CLOCK_MONOTONIC)` is on POSIX's async-signal-safe list
-//!    (and served by the vDSO).
+//!    (and served by the vDSO): read at entry, when the walk ends (the
+//!    sample's time) and just before the record is published (the
+//!    handler's own time, storing included).
 //! 9. The frames go into the slot's single-producer ring with relaxed stores
-//!    and one release store; a full ring drops the sample and counts it. A
+//!    and one release store (the ring, the slot and the copy pool had
+//!    their pages mapped when the sampler made them, not at a first touch
+//!    here); a full ring drops the sample and counts it. A
 //!    stack copy goes into a block of the shared pool, taken with a bounded
 //!    compare-and-swap and written with relaxed stores ([`copy_pool`]).
 //!    Before a copy (only then), the same 16 bytes of the thread object are
@@ -503,7 +507,7 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
         known_frames: walk.known_frames,
         splice: walk.splice.map(|(i, at)| (i, at.sp)),
     });
-    if slot.ring.push([header, weight_ns, time_ns, time_ns.saturating_sub(entered), 0], frames, copy) {
+    if slot.ring.push([header, weight_ns, time_ns, 0, 0], frames, copy, entered) {
         slot.samples.fetch_add(1, Ordering::Relaxed);
         // Only this handler writes them: a load and a store, no locked
         // instruction.

@@ -26,8 +26,17 @@ impl Ring {
     /// Appends one record, or returns false if it does not fit. With
     /// `copy`, the registers and `copy.1` words of stack from `regs.sp` go
     /// after the frames, if there is room for them (else they are left out).
-    /// `copy`: see [`StackToCopy`].
-    pub(super) fn push(&self, mut head: [u64; RECORD_HEAD], frames: &[u64], copy: Option<StackToCopy<'_>>) -> bool {
+    /// `copy`: see [`StackToCopy`]. Word 3 of `head` is ignored: the record
+    /// gets the time since `entered_ns` (`CLOCK_MONOTONIC`, the handler's
+    /// entry) read just before it is published, so that the handler's
+    /// time counts what storing it cost (the frames, and a copy's words).
+    pub(super) fn push(
+        &self,
+        mut head: [u64; RECORD_HEAD],
+        frames: &[u64],
+        copy: Option<StackToCopy<'_>>,
+        entered_ns: u64,
+    ) -> bool {
         let h = self.head.load(Ordering::Relaxed);
         let t = self.tail.load(Ordering::Acquire);
         let free = RING_WORDS - (h - t);
@@ -99,6 +108,7 @@ impl Ring {
                 }
             }
         }
+        self.words[(h + 3) % RING_WORDS].store(monotonic_ns().saturating_sub(entered_ns), Ordering::Relaxed);
         self.head.store(h + n, Ordering::Release);
         true
     }
@@ -166,7 +176,8 @@ pub struct RawSample<'a> {
     pub time_ns: u64,
     /// `corsnap_unwind::flags`.
     pub flags: u32,
-    /// Nanoseconds from entering the handler to storing the sample.
+    /// Nanoseconds from entering the handler to storing the sample (the
+    /// frames and any copy written, before the record is published).
     pub handler_ns: u64,
     /// Leaf first; see `corsnap_unwind::EXACT_IP`.
     pub frames: &'a [u64],

@@ -41,6 +41,9 @@ pub struct SignalSampler {
     perf_refusal: Option<String>,
     free_slots: Vec<usize>,
     next_slot: usize,
+    /// The process tables of the last map published, already mapped (see
+    /// [`SignalSampler::publish`]).
+    populated_tables: [(usize, usize); 2],
 }
 
 // SAFETY: the raw map pointers are owned (Arc::into_raw) and only freed here.
@@ -114,6 +117,7 @@ impl SignalSampler {
             perf_refusal: (!perf_usable).then(|| "POSIX timers were asked for".to_string()),
             free_slots: Vec::new(),
             next_slot: 0,
+            populated_tables: [(0, 0); 2],
         })
     }
 
@@ -171,6 +175,15 @@ impl SignalSampler {
     /// Publishes a new code map for walks; the old one is freed once no
     /// handler can be using it.
     pub fn publish(&mut self, map: Arc<CodeMap>) {
+        // The process's tables are new only with new natives: mapped once
+        // (see `populate`), before a handler can read them.
+        let tables = map.table_blocks();
+        if tables != self.populated_tables {
+            for (at, len) in tables {
+                crate::process::populate(at, len);
+            }
+            self.populated_tables = tables;
+        }
         let new = Arc::into_raw(map) as *mut CodeMap;
         let old = MAP.swap(new, Ordering::SeqCst);
         if !old.is_null() {
@@ -277,6 +290,13 @@ impl SignalSampler {
             unknown_stack: AtomicU64::new(0),
             runtime_thread: AtomicU64::new(0),
         });
+        // Mapped now, not at the handler's first touches (see `populate`).
+        crate::process::populate(&*slot as *const ThreadSlot as usize, std::mem::size_of::<ThreadSlot>());
+        crate::process::populate(slot.ring.words.as_ptr() as usize, std::mem::size_of_val(&*slot.ring.words));
+        // SAFETY: the slot is ours alone until it is published below.
+        for (at, len) in unsafe { &*slot.walking.get() }.cache.heap_blocks() {
+            crate::process::populate(at, len);
+        }
         let slot = Box::into_raw(slot);
         // Each thread starts with a period of its own. Set before the event
         // can fire; the handler owns it from then on.
