@@ -286,11 +286,15 @@ fn threads_that_block_often_move_to_timers_and_shares_stay_right() {
     // crowded one, every wake-up of the two others can preempt it (1,300
     // times a second seen in CI), and a timer is then cheaper for it too:
     // either way its share must come out right.
-    let on_timers: u64 = stderr
-        .split_once(" by CPU timers")
-        .and_then(|(before, _)| before.rsplit('(').next()?.parse().ok())
-        .unwrap_or_else(|| panic!("no clock count in:\n{stderr}"));
-    assert!(on_timers >= 2, "{stderr}");
+    // The statistics count the moves. Not the threads on timers "now": they
+    // are taken after the program has exited, and whether the agent has
+    // let go of the two threads the program joined by then is a race (a
+    // CI run found 0 now, after 2 clock changes).
+    let clock_changes: u64 = stderr
+        .split_once(" clock changes")
+        .and_then(|(before, _)| before.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no clock changes counted in:\n{stderr}"));
+    assert!(clock_changes >= 2, "{stderr}");
 
     let truth = measured_shares(&stdout);
     let shown = shares(&stacks, &["Handoff.Crunch", "Handoff.Ping", "Handoff.Pong"]);
