@@ -145,6 +145,7 @@ impl SharedKnownAddresses {
         SharedKnownAddresses { entries: SeqlockTable::new(entries) }
     }
 
+    /// Where its entries lie, as (address, bytes).
     pub(crate) fn block(&self) -> (usize, usize) {
         self.entries.block()
     }

@@ -22,9 +22,10 @@
 //!    time by `gettid` (a plain system call), which then leaves the
 //!    thread's `pthread_self` in the slot; after that by `pthread_self`
 //!    alone, which in glibc reads the thread pointer (`%fs`) and takes no
-//!    lock (0.2 to 0.3 µs less a sample here than the system call). Then the sample's weight: a perf
-//!    event's period (one store marks its records read; every 16th sample
-//!    an `ioctl` sets a new period), or a periodic timer's period times
+//!    lock (0.2 to 0.3 µs less a sample here than the system call). Then
+//!    the sample's weight: a perf event's period (one store marks its
+//!    records read; every 16th sample an `ioctl` sets a new period), or a
+//!    periodic timer's period times
 //!    1 + `si_overrun` (every 16th sample `clock_gettime` of the thread's
 //!    CPU clock and `timer_settime` with a new period, both on POSIX's
 //!    async-signal-safe list; see [`TimerState`]). A timer signal that
@@ -47,9 +48,9 @@
 //!    address no longer mapped is an error, never a fault) into the
 //!    handler's stack, to undo a return-address hijack ([`hijacked_return`]).
 //! 8. `clock_gettime(CLOCK_MONOTONIC)` is on POSIX's async-signal-safe list
-//!    (and served by the vDSO): read at entry, when the walk ends (the
-//!    sample's time) and just before the record is published (the
-//!    handler's own time, storing included).
+//!    (and served by the vDSO): read at entry, and once more just before
+//!    the record is published, which gives both the sample's time and the
+//!    handler's own (storing included).
 //! 9. The frames go into the slot's single-producer ring with relaxed stores
 //!    and one release store (the ring, the slot and the copy pool had
 //!    their pages mapped when the sampler made them, not at a first touch
@@ -464,7 +465,6 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
     let stack_words = ((stack.end - regs.sp) / 8).min(STACK_COPY_WORDS as u64) as usize;
     let memory = LiveMemory { stack, map, runtime_thread: slot.runtime_thread.load(Ordering::Relaxed) };
     let walk = corsnap_unwind::walk(map, &memory, regs, &mut walking.cache, &mut walking.frames);
-    let time_ns = monotonic_ns();
     if let Some(words) = walking.cache.take_learned_stretch().and_then(|s| s.to_words()) {
         slot.learned.push(words);
     }
@@ -507,7 +507,7 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
         known_frames: walk.known_frames,
         splice: walk.splice.map(|(i, at)| (i, at.sp)),
     });
-    if slot.ring.push([header, weight_ns, time_ns, 0, 0], frames, copy, entered) {
+    if slot.ring.push([header, weight_ns, 0, 0, 0], frames, copy, entered) {
         slot.samples.fetch_add(1, Ordering::Relaxed);
         // Only this handler writes them: a load and a store, no locked
         // instruction.

@@ -26,10 +26,11 @@ impl Ring {
     /// Appends one record, or returns false if it does not fit. With
     /// `copy`, the registers and `copy.1` words of stack from `regs.sp` go
     /// after the frames, if there is room for them (else they are left out).
-    /// `copy`: see [`StackToCopy`]. Word 3 of `head` is ignored: the record
-    /// gets the time since `entered_ns` (`CLOCK_MONOTONIC`, the handler's
-    /// entry) read just before it is published, so that the handler's
-    /// time counts what storing it cost (the frames, and a copy's words).
+    /// `copy`: see [`StackToCopy`]. Words 2 and 3 of `head` are ignored:
+    /// `CLOCK_MONOTONIC` is read once, just before the record is published,
+    /// for the sample's time and for the time since `entered_ns` (the
+    /// handler's entry), so that the handler's time counts what storing it
+    /// cost (the frames, and a copy's words).
     pub(super) fn push(
         &self,
         mut head: [u64; RECORD_HEAD],
@@ -108,7 +109,9 @@ impl Ring {
                 }
             }
         }
-        self.words[(h + 3) % RING_WORDS].store(monotonic_ns().saturating_sub(entered_ns), Ordering::Relaxed);
+        let stored_ns = monotonic_ns();
+        self.words[(h + 2) % RING_WORDS].store(stored_ns, Ordering::Relaxed);
+        self.words[(h + 3) % RING_WORDS].store(stored_ns.saturating_sub(entered_ns), Ordering::Relaxed);
         self.head.store(h + n, Ordering::Release);
         true
     }
@@ -172,7 +175,8 @@ pub struct RawSample<'a> {
     /// CPU nanoseconds this sample stands for (the perf period that ran
     /// out, or the timer's interval times 1 + its overrun).
     pub weight_ns: u64,
-    /// `CLOCK_MONOTONIC` nanoseconds when it was taken.
+    /// `CLOCK_MONOTONIC` nanoseconds when it was stored, at the handler's
+    /// end.
     pub time_ns: u64,
     /// `corsnap_unwind::flags`.
     pub flags: u32,
