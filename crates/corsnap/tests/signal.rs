@@ -479,5 +479,14 @@ fn a_runtime_whose_layout_is_unknown_is_named_and_sampled_by_the_suspend_engine(
         stderr.contains(".NET 11.0.0") && stderr.contains("CPU samples are taken by the suspend engine instead"),
         "{stderr}"
     );
-    assert!(support::count_with(&stacks, "Chain.Hot") > 0, "{}", describe(&stacks));
+    // The suspend engine's samples land where the runtime parks the thread,
+    // its next safe point, not where the tick found it (README, "--sampler
+    // suspend"): Chain.Hot holds about half this program's time, yet only 0
+    // to 4 of 100 suspend samples name it (the rest are charged to the loop
+    // in Chain.Run that calls it; measured on .NET 8 and 10, one run of this
+    // test in five had none). So the fallback is held to what it promises: the
+    // program's own methods, both halves of it, named.
+    for method in ["Chain.Run", "Chain.Spin"] {
+        assert!(support::count_with(&stacks, method) > 0, "{method}: {}", describe(&stacks));
+    }
 }
