@@ -548,7 +548,12 @@ fn alloc_on_core31_is_refused_in_words() {
     assert!(output.status.success(), "{stderr}");
     assert!(stderr.contains("--event alloc needs .NET 5 or later"), "{stderr}");
     let wall = parse_collapsed(&std::fs::read_to_string(dir.join("p.wall.txt")).unwrap());
-    assert!(count_with(&wall, "Allocs.MakeNodes") > 0, "the other events still record:\n{}", describe(&wall));
+    // Wall samples come from the suspend engine, which sees a thread where
+    // the runtime parks it: on Core 3.1 about 92 of 100 land in Allocs.Main's
+    // loop and 0 to 2 in Allocs.MakeNodes (safe-point bias, README), so
+    // MakeNodes is no sign that wall samples were recorded; the program's
+    // own Main is.
+    assert!(count_with(&wall, "Allocs.Main") > 0, "the other events still record:\n{}", describe(&wall));
 }
 #[test]
 fn pprof_holds_one_sample_type_per_event_kind() {
