@@ -119,6 +119,7 @@ fn frameless_stub(range: std::ops::Range<u64>, kind: u64) -> ManagedCode {
         unwind: UnwindBytes::Copied { rva: len, bytes: vec![1u8, 0, 0, 0].into() },
         tag: FRAMELESS_STUB_TAG + kind,
         frameless: true,
+        body_rules: Default::default(),
     }
 }
 
@@ -351,14 +352,18 @@ fn check_header(
         return None;
     }
     let functions: Vec<u8> = records.iter().flat_map(|r| r.iter().flat_map(|w| w.to_le_bytes())).collect();
-    Some(ManagedCode {
-        code: code_start..code_end,
-        base,
-        functions: functions.into(),
-        unwind: UnwindBytes::Copied { rva: (span_start - base) as u32, bytes: unwind.into() },
-        tag: found,
-        frameless: false,
-    })
+    Some(
+        ManagedCode {
+            code: code_start..code_end,
+            base,
+            functions: functions.into(),
+            unwind: UnwindBytes::Copied { rva: (span_start - base) as u32, bytes: unwind.into() },
+            tag: found,
+            frameless: false,
+            body_rules: Default::default(),
+        }
+        .with_body_rules(None),
+    )
 }
 
 /// Version 1 or 2 `UNWIND_INFO` whose prolog fits its codes.
@@ -417,14 +422,33 @@ pub fn ready_to_run_image(base: u64) -> Option<ManagedCode> {
         return None;
     }
     let functions = read_own_bytes(base + u64::from(rva), size as usize)?;
-    Some(ManagedCode {
-        code: base..base + size_of_image,
-        base,
-        functions: functions.into(),
-        unwind: UnwindBytes::InCode,
-        tag: 0,
-        frameless: false,
-    })
+    let records = unwind_records(base, size_of_image, &functions);
+    Some(
+        ManagedCode {
+            code: base..base + size_of_image,
+            base,
+            functions: functions.into(),
+            unwind: UnwindBytes::InCode,
+            tag: 0,
+            frameless: false,
+            body_rules: Default::default(),
+        }
+        .with_body_rules(records.as_ref().map(|(rva, bytes)| (*rva, &bytes[..]))),
+    )
+}
+
+/// The span of an image's unwind records, for compiling its body rules: one
+/// read, from the first record's RVA to the last one's end (no more than
+/// 16 MiB, inside the image), as (RVA, bytes). `None` if it cannot be read:
+/// the image's frames are then unwound in full.
+fn unwind_records(base: u64, size_of_image: u64, functions: &[u8]) -> Option<(u32, Vec<u8>)> {
+    let rvas = functions.chunks_exact(RUNTIME_FUNCTION_SIZE).filter_map(|f| u32_at(f, 8));
+    let (first, last) = rvas.fold((u32::MAX, 0), |(lo, hi), r| (lo.min(r), hi.max(r)));
+    // A record is at most 4 bytes of header, 255 codes (rounded to 256),
+    // and a 12-byte chained entry.
+    let end = (u64::from(last) + 4 + 512 + 12).min(size_of_image);
+    let len = end.checked_sub(u64::from(first)).filter(|&l| l > 0 && l <= 16 << 20)?;
+    Some((first, read_own_bytes(base + u64::from(first), len as usize)?))
 }
 
 /// `System.Private.CoreLib`'s ReadyToRun image, when the runtime mapped it
@@ -432,11 +456,17 @@ pub fn ready_to_run_image(base: u64) -> Option<ManagedCode> {
 /// the first address met in it, as any image).
 pub fn corelib_image() -> Option<ManagedCode> {
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    // The lowest mapping of the file is the image's base.
-    let base = corsnap_unwind::process::parse_maps(&maps)
+    let mappings: Vec<_> = corsnap_unwind::process::parse_maps(&maps)
         .into_iter()
-        .find(|m| m.path.ends_with("/System.Private.CoreLib.dll"))?
-        .range
-        .start;
-    ready_to_run_image(base)
+        .filter(|m| m.path.ends_with("/System.Private.CoreLib.dll"))
+        .collect();
+    // The image is the one that holds the file's code. Its base is not the
+    // file's lowest mapping: .NET 10 first maps the whole file flat (shared,
+    // read-only, below the image), where RVAs are not addresses.
+    let code = mappings.iter().find(|m| m.executable)?.range.start;
+    mappings
+        .iter()
+        .rev()
+        .filter(|m| m.range.start <= code)
+        .find_map(|m| ready_to_run_image(m.range.start).filter(|image| image.code.contains(&code)))
 }

@@ -332,7 +332,14 @@ impl SignalEngine {
         // CoreLib's precompiled code is under nearly every stack, and first
         // met under the deepest ones (the JIT at start-up), deeper than a
         // stack copy reaches: learned now, it is never met unknown.
+        let started = Instant::now();
         if let Some(corelib) = crate::code_learning::corelib_image() {
+            log::write(format_args!(
+                "CoreLib's image: {} functions, {} with a compiled body rule, learned in {:?}",
+                corelib.functions.len() / 12,
+                corelib.body_rules.iter().filter(|&&w| w != 0).count(),
+                started.elapsed()
+            ));
             engine.learner.images_learned += 1;
             engine.add_managed(corelib);
         }
@@ -488,7 +495,7 @@ impl SignalEngine {
         if let Some(sampler) = self.sampler.take() {
             // What the walks of the threads still running cost (see
             // `ThreadSlot::walk_counts`).
-            let (mut walks, mut counts) = (0, [0u64; 3]);
+            let (mut walks, mut counts) = (0, [0u64; 4]);
             for t in self.threads.values() {
                 if let Some(slot) = sampler.slot(t.slot) {
                     walks += slot.samples.load(std::sync::atomic::Ordering::Relaxed);
@@ -500,10 +507,12 @@ impl SignalEngine {
             let per_walk = |n: u64| n as f64 / walks.max(1) as f64;
             log::write(format_args!(
                 "signal walks of the threads running at the end: {walks}; leaves stepped by a kept stretch: \
-                 {:.0}%; return addresses a walk looked up in full: {:.2}, and took from the process's table: {:.2}",
+                 {:.0}%; return addresses a walk looked up (in no table): {:.2}, and took from the process's \
+                 table: {:.2}; frames a walk stepped by a compiled body rule: {:.2}",
                 100.0 * per_walk(counts[0]),
                 per_walk(counts[1]),
-                per_walk(counts[2])
+                per_walk(counts[2]),
+                per_walk(counts[3])
             ));
             let mut rest = Vec::new();
             self.drain_all(&sampler, &mut rest);

@@ -131,7 +131,11 @@ impl FrameRule {
                     i += 3;
                 }
                 UWOP_SET_FPREG => {
+                    // Windows' unwinder sets the stack pointer from the
+                    // frame register here, whatever the codes undone before
+                    // (instructions after it in the prologue) moved.
                     frame_pointer_set = true;
+                    at = established;
                     i += 1;
                 }
                 UWOP_SAVE_NONVOL => {

@@ -28,6 +28,7 @@
 
 #![forbid(unsafe_code)]
 
+mod body_rules;
 mod frame_rule;
 mod hijack;
 mod known_addresses;
@@ -385,9 +386,38 @@ pub struct ManagedCode {
     /// `[rsp]`, `[rsp+8]`, `[rsp+16]` that is a return address into known
     /// code. The function table is not used.
     pub frameless: bool,
+    /// For each entry of `functions`, in order, its body rule and prologue
+    /// size in one word, or none (see [`body_rules`]). Empty until
+    /// [`ManagedCode::with_body_rules`]: then every frame is unwound in
+    /// full.
+    pub body_rules: Arc<[u64]>,
 }
 
 impl ManagedCode {
+    /// The region with each function's body rule compiled (see
+    /// [`body_rules`]), on the agent's thread. `unwind_in_code`: for a
+    /// region whose records lie in its code (an image), the bytes read from
+    /// the RVA given, which must hold every record; unused for copied ones.
+    pub fn with_body_rules(mut self, unwind_in_code: Option<(u32, &[u8])>) -> ManagedCode {
+        let rules = match (&self.unwind, unwind_in_code) {
+            (UnwindBytes::Copied { rva: first, bytes }, _) => body_rules::compile(&self.functions, |rva| {
+                bytes.get(rva.checked_sub(*first)? as usize..).filter(|b| !b.is_empty())
+            }),
+            (UnwindBytes::InCode, Some((first, bytes))) => body_rules::compile(&self.functions, |rva| {
+                bytes.get(rva.checked_sub(first)? as usize..).filter(|b| !b.is_empty())
+            }),
+            (UnwindBytes::InCode, None) => return self,
+        };
+        self.body_rules = rules.into();
+        self
+    }
+
+    /// The body rule of the function at byte `entry` of the table, with its
+    /// prologue's size.
+    fn body_rule_at(&self, entry: u32) -> Option<(FrameRule, u8)> {
+        body_rules::unpack(*self.body_rules.get(entry as usize / 12)?)
+    }
+
     /// The function-table entry covering `addr`, as (begin, end) addresses.
     pub fn function_at(&self, addr: u64) -> Option<Range<u64>> {
         let rva = u32::try_from(addr.checked_sub(self.base)?).ok()?;
@@ -759,6 +789,10 @@ pub struct Walk {
     /// Return addresses the thread's table did not hold and the process's
     /// did (see [`known_addresses`]).
     pub from_process_table: u32,
+    /// Frames (leaf or return address) none of the tables knew that their
+    /// function's compiled body rule stepped (see [`body_rules`]), not the
+    /// full lookup.
+    pub by_body_rule: u32,
 }
 
 /// One unwinding step's outcome.
@@ -813,6 +847,7 @@ pub fn walk_until<M: Memory>(
     cache.looked_up = 0;
     cache.from_process_table = 0;
     let mut leaf_by_stretch = false;
+    let mut by_body_rule = 0;
     let mut regs = regs;
     // The leaf, and a context a signal frame saved, are exact instruction
     // pointers: the thread was stopped there, not in a call.
@@ -997,14 +1032,32 @@ pub fn walk_until<M: Memory>(
             let mut entry = hit.map(|h| h.entry);
             let mut rule = hit.map_or(FrameRule::default(), |h| h.rule);
             let untried = rule.is_untried();
-            let step = managed_step(region, mem, regs, exact, &mut entry, &mut rule);
-            if let (true, 1, Some(entry), Some(Step::Next(next))) = (exact, len, entry, &step) {
-                if let Some((body, rule)) =
-                    body_rule(region, mem, entry).filter(|(_, r)| r.apply(mem, regs) == Some(*next))
-                {
-                    cache.learned = Some(LearnedStretch::new(map.lineage, regs.ip, body, false, rule));
+            // A frame in its function's body: the rule compiled for it (see
+            // [`body_rules`]), with no record or code read.
+            let by_body = if untried && (!exact || len == 1) {
+                body_rule_step(region, mem, regs, exact, &mut entry)
+            } else {
+                None
+            };
+            let step = if let Some((next, body_rule, body)) = by_body {
+                by_body_rule += 1;
+                if exact {
+                    cache.learned = Some(LearnedStretch::new(map.lineage, regs.ip, body, false, body_rule));
+                } else {
+                    rule = body_rule;
                 }
-            }
+                Some(Step::Next(next))
+            } else {
+                let step = managed_step(region, mem, regs, exact, &mut entry, &mut rule);
+                if let (true, 1, Some(entry), Some(Step::Next(next))) = (exact, len, entry, &step) {
+                    if let Some((body, rule)) =
+                        body_rule(region, mem, entry).filter(|(_, r)| r.apply(mem, regs) == Some(*next))
+                    {
+                        cache.learned = Some(LearnedStretch::new(map.lineage, regs.ip, body, false, rule));
+                    }
+                }
+                step
+            };
             if let (Some(entry), Some(i)) = (entry, region_index) {
                 if exact {
                     // An exact address is seldom met again; its function is.
@@ -1112,6 +1165,7 @@ pub fn walk_until<M: Memory>(
         leaf_by_stretch,
         looked_up: cache.looked_up,
         from_process_table: cache.from_process_table,
+        by_body_rule,
     }
 }
 
@@ -1249,6 +1303,51 @@ fn leaf_rule_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs) -> Option<(Regs
         }
     }
     Some((stretch.rule.apply(mem, regs)?, stretch.native))
+}
+
+/// A managed frame stepped by its function's compiled body rule (see
+/// [`body_rules`]): the caller, the rule and the body, where the region has
+/// rules, the function's has one and the address lies in its body (for a
+/// leaf, `exact`, at code that begins no epilogue). `entry` as for
+/// [`managed_step`]: set when found, for the full lookup if this declines.
+#[cold]
+#[inline(never)]
+fn body_rule_step<M: Memory>(
+    region: &ManagedCode,
+    mem: &M,
+    regs: Regs,
+    exact: bool,
+    entry: &mut Option<u32>,
+) -> Option<(Regs, FrameRule, Range<u64>)> {
+    if region.body_rules.is_empty() {
+        return None;
+    }
+    let lookup = if exact { regs.ip } else { regs.ip - 1 };
+    let lookup_rva = u32::try_from(lookup.checked_sub(region.base)?).ok()?;
+    let at = match *entry {
+        Some(at) => at,
+        None => u32::try_from(function_entry(&region.functions, lookup_rva)?).ok()?,
+    };
+    *entry = Some(at);
+    let function = function_range(region, at)?;
+    if !function.contains(&lookup) {
+        return None;
+    }
+    let (rule, prologue) = region.body_rule_at(at)?;
+    let body = function.start.checked_add(u64::from(prologue))?..function.end;
+    // As the full lookup reads it: a call as the function's last
+    // instruction returns to its end, and is unwound from just before.
+    let address = if regs.ip < function.end { regs.ip } else { lookup };
+    if address < body.start {
+        return None;
+    }
+    if exact {
+        let code = mem.leaf_code(regs.ip..function.end.min(regs.ip.saturating_add(8)))?;
+        if leaf_rules::may_begin_epilogue(code) {
+            return None;
+        }
+    }
+    Some((rule.apply(mem, regs)?, rule, body))
 }
 
 /// The body of the function whose `RUNTIME_FUNCTION` is at byte `entry` of

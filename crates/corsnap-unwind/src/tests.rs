@@ -27,6 +27,11 @@ impl Memory for Recorded {
         let (start, bytes) = self.code.iter().find(|(s, b)| *s <= range.start && range.end <= s + b.len() as u64)?;
         bytes.get((range.start - start) as usize..(range.end - start) as usize)
     }
+
+    fn leaf_code(&self, range: Range<u64>) -> Option<&[u8]> {
+        let (start, bytes) = self.code.iter().find(|(s, b)| *s <= range.start && range.end <= s + b.len() as u64)?;
+        bytes.get((range.start - start) as usize..(range.end - start) as usize)
+    }
 }
 
 /// One JIT'd body at `start` with `code`, one RUNTIME_FUNCTION and its
@@ -47,6 +52,7 @@ fn body(start: u64, code: &[u8], unwind: &[u8]) -> (ManagedCode, (u64, Vec<u8>))
         unwind: UnwindBytes::Copied { rva: unwind_rva, bytes: unwind.to_vec().into() },
         tag: start,
         frameless: false,
+        body_rules: Default::default(),
     };
     (region, (start, code.to_vec()))
 }
@@ -85,6 +91,12 @@ fn chain() -> (CodeMap, Recorded, Regs) {
 }
 
 fn chain_with_main(main: &[u8]) -> (CodeMap, Recorded, Regs) {
+    chain_of(main, false)
+}
+
+/// The chain with each body's rule compiled (see [`body_rules`]) when
+/// `body_rules`.
+fn chain_of(main: &[u8], body_rules: bool) -> (CodeMap, Recorded, Regs) {
     let sp0 = STACK_TOP - 0x100;
     let mut stack = HashMap::new();
     stack.insert(sp0, 0); // Main's return address: the root
@@ -109,7 +121,7 @@ fn chain_with_main(main: &[u8]) -> (CodeMap, Recorded, Regs) {
         (HOT, &PUSH_RBP[..], &PUSH_RBP_UNWIND[..]),
     ] {
         let (region, c) = body(start, bytes, unwind);
-        managed.push(region);
+        managed.push(if body_rules { region.with_body_rules(None) } else { region });
         code.push(c);
     }
     let stacks = vec![Range { start: STACK_TOP - 0x10000, end: STACK_TOP }];
@@ -149,6 +161,56 @@ fn a_return_address_at_a_jump_back_into_the_loop_is_no_epilogue() {
     mem.stack.insert(sp, A4 + 6);
     let (frames, _) = run(&map, &mem, Regs { ip: MAIN + 13, sp, bp: 0 });
     assert_eq!(frames[..2], [MAIN + 13, A4 + 6]);
+}
+
+#[test]
+fn compiled_body_rules_walk_as_the_full_lookup_does_and_leave_prologues_and_epilogues_to_it() {
+    for main in [&FRAMED[..], &LOOPING[..]] {
+        let (full, mem, regs) = chain_of(main, false);
+        let (compiled, _, _) = chain_of(main, true);
+        assert!(compiled.managed().iter().all(|r| r.body_rules.len() == 1), "one word a function");
+        // Each body's rule, compiled and checked: all five have the plain shape.
+        assert!(compiled.managed().iter().all(|r| r.body_rule_at(0).is_some()));
+        // Every leaf address of every body, at the stack of Hot's body and
+        // at the stacks the epilogue test uses: the same walk either way.
+        let starts = [(MAIN, main.len()), (A3, 13), (A4, 13), (A5, 13), (HOT, 8)];
+        for (start, len) in starts {
+            for ip in start..start + len as u64 {
+                for sp in [regs.sp, regs.sp + 8, regs.sp + 16, regs.sp + 24] {
+                    let at = Regs { ip, sp, bp: regs.bp };
+                    assert_eq!(run(&compiled, &mem, at), run(&full, &mem, at), "{ip:#x} sp {sp:#x}");
+                }
+            }
+        }
+        let (frames, flags) = run(&compiled, &mem, regs);
+        assert_eq!(frames, [HOT + 3, A5 + 6, A4 + 6, A3 + 6, MAIN + 13]);
+        assert_eq!(flags, flags::COMPLETE);
+        // With the code unreadable to the full lookup (its epilogue check
+        // reads the code to the function's end), only the compiled rules
+        // can step these frames: they do, and the full lookup cannot.
+        let blind = LeafCodeOnly(&mem);
+        let mut out = [0u64; 64];
+        let w = walk(&compiled, &blind, regs, &mut WalkCache::new(), &mut out);
+        let frames: Vec<u64> = out[..w.len].iter().map(|&f| address_of(f)).collect();
+        assert_eq!(frames, [HOT + 3, A5 + 6, A4 + 6, A3 + 6, MAIN + 13]);
+        let w = walk(&full, &blind, regs, &mut WalkCache::new(), &mut out);
+        assert_ne!(w.flags & flags::COMPLETE, flags::COMPLETE);
+    }
+}
+
+/// A recorded stack whose code only the leaf's epilogue check may read.
+struct LeafCodeOnly<'a>(&'a Recorded);
+
+impl Memory for LeafCodeOnly<'_> {
+    fn stack_word(&self, addr: u64) -> Option<u64> {
+        self.0.stack_word(addr)
+    }
+    fn code_bytes(&self, _region: &ManagedCode, _range: Range<u64>) -> Option<&[u8]> {
+        None
+    }
+    fn leaf_code(&self, range: Range<u64>) -> Option<&[u8]> {
+        self.0.leaf_code(range)
+    }
 }
 
 #[test]
@@ -340,6 +402,7 @@ fn a_stub_that_pushed_a_word_is_stepped_over_to_its_caller() {
         unwind: UnwindBytes::InCode,
         tag: 0x10,
         frameless: true,
+        body_rules: Default::default(),
     };
     let mut managed = map.managed().to_vec();
     managed.push(stub);

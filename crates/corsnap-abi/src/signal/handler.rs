@@ -511,7 +511,12 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
         slot.samples.fetch_add(1, Ordering::Relaxed);
         // Only this handler writes them: a load and a store, no locked
         // instruction.
-        let counts = [u64::from(walk.leaf_by_stretch), walk.looked_up.into(), walk.from_process_table.into()];
+        let counts = [
+            u64::from(walk.leaf_by_stretch),
+            walk.looked_up.into(),
+            walk.from_process_table.into(),
+            walk.by_body_rule.into(),
+        ];
         for (count, add) in slot.walk_counts.iter().zip(counts).filter(|&(_, add)| add != 0) {
             count.store(count.load(Ordering::Relaxed) + add, Ordering::Relaxed);
         }

@@ -61,10 +61,10 @@ pub struct ThreadSlot {
     /// Samples written.
     pub samples: AtomicU64,
     /// Of the walks, how many took their leaf's step from a kept stretch;
-    /// and the return addresses they looked up in full, and those they took
-    /// from the process's table (see [`corsnap_unwind::Walk`]): what the
-    /// handler's cost follows.
-    pub walk_counts: [AtomicU64; 3],
+    /// the return addresses they looked up (in no table), those they took
+    /// from the process's table, and the frames stepped by a compiled body
+    /// rule (see [`corsnap_unwind::Walk`]): what the handler's cost follows.
+    pub walk_counts: [AtomicU64; 4],
     pub(super) walking: UnsafeCell<Walking>,
     /// Of those, samples taken on request ([`Sampler::request_sample`]):
     /// what a request waits on, since a timer's sample may land meanwhile.
