@@ -80,6 +80,9 @@ pub struct EventWalker {
     pending_names: Vec<FrameName>,
     rewalk_cache: corsnap_unwind::WalkCache,
     pub stats: EventWalkStats,
+    /// CoreLib's image, in the map without its body rules until the first
+    /// map is out; compiled then, and put in its place.
+    image_without_rules: Option<ManagedCode>,
 }
 
 impl std::fmt::Debug for EventWalker {
@@ -117,12 +120,15 @@ impl EventWalker {
             pending_names: Vec::new(),
             rewalk_cache: corsnap_unwind::WalkCache::new(),
             stats: EventWalkStats::default(),
+            image_without_rules: None,
         };
         walker.refresh_modules();
         // CoreLib's precompiled code is under nearly every stack: learned
         // now, it is never met unknown.
+        // Its body rules come after the first map is out (see `refresh`).
         if let Some(corelib) = crate::code_learning::corelib_image() {
-            walker.add_managed(corelib);
+            walker.add_managed(corelib.clone());
+            walker.image_without_rules = Some(corelib);
         }
         walker.refresh_stacks();
         walker.publish();
@@ -145,6 +151,9 @@ impl EventWalker {
         }
         if self.map_dirty {
             self.publish();
+        } else if let Some(image) = self.image_without_rules.take() {
+            // 10 to 20 ms, which the first events need not wait.
+            self.add_managed(crate::code_learning::with_image_body_rules(image));
         }
         if let Some(m) = self.events_map.as_mut() {
             m.reclaim();

@@ -218,6 +218,9 @@ pub struct SignalEngine {
     learned_at_compile: u64,
     learning_at_compile: Duration,
     rewalked_before_collect: u64,
+    /// CoreLib's image, in the map without its body rules until the first
+    /// map is out; compiled then, and put in its place.
+    image_without_rules: Option<ManagedCode>,
     started: Instant,
     /// `CLOCK_MONOTONIC` (the samples' clock) one second after the engine
     /// started: learning should be over by then (issue 15: after the first
@@ -317,6 +320,7 @@ impl SignalEngine {
             learned_at_compile: 0,
             learning_at_compile: Duration::ZERO,
             rewalked_before_collect: 0,
+            image_without_rules: None,
             started: Instant::now(),
             settled_ns: signal::monotonic_ns() + 1_000_000_000,
             samples: 0,
@@ -332,16 +336,12 @@ impl SignalEngine {
         // CoreLib's precompiled code is under nearly every stack, and first
         // met under the deepest ones (the JIT at start-up), deeper than a
         // stack copy reaches: learned now, it is never met unknown.
-        let started = Instant::now();
+        // Its body rules are compiled after the first map is out (see
+        // `collect`): they take 10 to 20 ms, which sampling need not wait.
         if let Some(corelib) = crate::code_learning::corelib_image() {
-            log::write(format_args!(
-                "CoreLib's image: {} functions, {} with a compiled body rule, learned in {:?}",
-                corelib.functions.len() / 12,
-                corelib.body_rules.iter().filter(|&&w| w != 0).count(),
-                started.elapsed()
-            ));
             engine.learner.images_learned += 1;
-            engine.add_managed(corelib);
+            engine.add_managed(corelib.clone());
+            engine.image_without_rules = Some(corelib);
         }
         engine.scan_threads();
         if let Some(s) = &engine.sampler {
@@ -405,6 +405,16 @@ impl SignalEngine {
         out.append(&mut self.leftovers);
         if self.map_dirty {
             self.publish();
+        } else if let Some(image) = self.image_without_rules.take() {
+            let started = Instant::now();
+            let image = crate::code_learning::with_image_body_rules(image);
+            log::write(format_args!(
+                "CoreLib's image: {} functions, {} with a compiled body rule, in {:?}",
+                image.functions.len() / 12,
+                image.body_rules.iter().filter(|&&w| w != 0).count(),
+                started.elapsed()
+            ));
+            self.add_managed(image);
         }
         if let Some(s) = self.sampler.as_mut() {
             s.reclaim();

@@ -26,6 +26,7 @@
 //! large frames, frame registers other than RBP) get no word, and their
 //! frames are unwound in full as before.
 
+use std::collections::HashMap;
 use std::ops::Range;
 
 use pe_unwind_info::x86_64::FunctionTableEntries;
@@ -66,24 +67,37 @@ pub(crate) fn unpack(word: u64) -> Option<(FrameRule, u8)> {
 /// `UNWIND_INFO` record at `rva` (at least its header and codes). An entry
 /// whose record is missing or not of the plain shape gets [`NO_BODY_RULE`].
 pub(crate) fn compile<'a>(functions: &[u8], info_at: impl Fn(u32) -> Option<&'a [u8]>) -> Vec<u64> {
+    // A ReadyToRun image shares one record among the functions whose
+    // prologues are alike (CoreLib: 50,000 functions), and a record's rule
+    // does not depend on its function: each record is checked once.
+    let mut by_record: HashMap<u32, u64> = HashMap::new();
     functions
         .chunks_exact(12)
         .map(|entry| {
             let field = |i: usize| u32::from_le_bytes([entry[i], entry[i + 1], entry[i + 2], entry[i + 3]]);
             let (begin, end, info_rva) = (field(0), field(4), field(8));
-            info_at(info_rva).and_then(|info| checked_rule(entry, begin, end, info)).unwrap_or(NO_BODY_RULE)
+            let Some(info) = info_at(info_rva) else { return NO_BODY_RULE };
+            // A function no longer than its prologue has no body.
+            match info.get(1) {
+                Some(&prologue) if begin.saturating_add(u32::from(prologue)) < end => *by_record
+                    .entry(info_rva)
+                    .or_insert_with(|| checked_rule(entry, begin, info).unwrap_or(NO_BODY_RULE)),
+                _ => NO_BODY_RULE,
+            }
         })
         .collect()
 }
 
-/// The packed rule of the function `begin..end` whose table entry is
-/// `entry` and record `info`, where pe-unwind-info agrees with it.
-fn checked_rule(entry: &[u8], begin: u32, end: u32, info: &[u8]) -> Option<u64> {
+/// The packed rule of the record `info` of the function that starts at
+/// `begin` (whose table entry is `entry`), where pe-unwind-info agrees with
+/// it at the end of the prologue.
+fn checked_rule(entry: &[u8], begin: u32, info: &[u8]) -> Option<u64> {
     if large_frame::uses_large_frame(info) {
         return None;
     }
     let prologue = *info.get(1)?;
     let at = begin.checked_add(u32::from(prologue))?;
+    let end = u32::from_le_bytes(entry.get(4..8)?.try_into().ok()?);
     if at >= end {
         return None;
     }
