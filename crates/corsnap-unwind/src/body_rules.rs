@@ -81,33 +81,29 @@ pub(crate) fn compile<'a>(functions: &[u8], info_at: impl Fn(u32) -> Option<&'a 
             match info.get(1) {
                 Some(&prologue) if begin.saturating_add(u32::from(prologue)) < end => *by_record
                     .entry(info_rva)
-                    .or_insert_with(|| checked_rule(entry, begin, info).unwrap_or(NO_BODY_RULE)),
+                    .or_insert_with(|| checked_rule(entry, begin..end, info).unwrap_or(NO_BODY_RULE)),
                 _ => NO_BODY_RULE,
             }
         })
         .collect()
 }
 
-/// The packed rule of the record `info` of the function that starts at
-/// `begin` (whose table entry is `entry`), where pe-unwind-info agrees with
-/// it at the end of the prologue.
-fn checked_rule(entry: &[u8], begin: u32, info: &[u8]) -> Option<u64> {
+/// The packed rule of the record `info` of the function at RVAs `function`
+/// (whose table entry is `entry`), where pe-unwind-info agrees with it at
+/// the end of the prologue, which lies inside the function.
+fn checked_rule(entry: &[u8], function: Range<u32>, info: &[u8]) -> Option<u64> {
     if large_frame::uses_large_frame(info) {
         return None;
     }
     let prologue = *info.get(1)?;
-    let at = begin.checked_add(u32::from(prologue))?;
-    let end = u32::from_le_bytes(entry.get(4..8)?.try_into().ok()?);
-    if at >= end {
-        return None;
-    }
+    let (at, end) = (function.start.checked_add(u32::from(prologue))?, function.end);
     let rule = FrameRule::derive(info, u32::from(prologue))?;
     // The frame over a stack whose every word is its own address, marked:
     // each slot read shows where it was read.
     let stack = MarkedStack { words: STACK.clone() };
     let regs = Regs { ip: 0, sp: STACK.start + STACK_SIZE / 2, bp: STACK.start + STACK_SIZE * 3 / 4 };
     let mut state = PeState { sp: regs.sp, bp: regs.bp, mem: &stack };
-    let code_len = usize::try_from(end - at).ok()?;
+    let code_len = usize::try_from(end.checked_sub(at).filter(|&n| n > 0)?).ok()?;
     let memory_at_rva = |r: u32| -> Option<&[u8]> {
         // The code at the address: bytes that are no epilogue (a body
         // address outside one, as every address this rule serves).

@@ -399,15 +399,14 @@ impl ManagedCode {
     /// region whose records lie in its code (an image), the bytes read from
     /// the RVA given, which must hold every record; unused for copied ones.
     pub fn with_body_rules(mut self, unwind_in_code: Option<(u32, &[u8])>) -> ManagedCode {
-        let rules = match (&self.unwind, unwind_in_code) {
-            (UnwindBytes::Copied { rva: first, bytes }, _) => body_rules::compile(&self.functions, |rva| {
-                bytes.get(rva.checked_sub(*first)? as usize..).filter(|b| !b.is_empty())
-            }),
-            (UnwindBytes::InCode, Some((first, bytes))) => body_rules::compile(&self.functions, |rva| {
-                bytes.get(rva.checked_sub(first)? as usize..).filter(|b| !b.is_empty())
-            }),
+        let (first, bytes): (u32, &[u8]) = match (&self.unwind, unwind_in_code) {
+            (UnwindBytes::Copied { rva, bytes }, _) => (*rva, bytes),
+            (UnwindBytes::InCode, Some(span)) => span,
             (UnwindBytes::InCode, None) => return self,
         };
+        let rules = body_rules::compile(&self.functions, |rva| {
+            bytes.get(rva.checked_sub(first)? as usize..).filter(|b| !b.is_empty())
+        });
         self.body_rules = rules.into();
         self
     }
