@@ -28,7 +28,10 @@ pub mod signal;
 pub use callback::{class_factory_for, guard, ProfilerCallbacks, CALLBACK_VTABLE_SLOTS};
 pub use info::{il_map, CorProfilerInfo, IlToNativeMap, RuntimeInfo, SnapshotVisit};
 pub use metadata::{MetaDataImport, MethodProps, TypeDefProps};
-pub use native_thread::{current_os_tid, current_uid, peer_credentials, send_all, thread_cpu_time_ns, NativeThread};
+pub use native_thread::{
+    current_os_tid, current_uid, peer_credentials, send_all, thread_cpu_time_ns, thread_hash, NativeThread,
+    StripedCounter,
+};
 
 use std::fmt;
 

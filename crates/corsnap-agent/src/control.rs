@@ -77,12 +77,12 @@ fn obey(running: &Running, command: Command) -> Option<String> {
         Command::Exceptions(on) => {
             let was = shared.watching_exceptions.swap(on, Ordering::SeqCst);
             if on {
-                shared.exceptions_seen.store(0, Ordering::SeqCst);
+                shared.exceptions_seen.reset();
             }
             let text = match shared.apply_event_mask() {
                 Ok(()) if on => "watching exceptions".to_string(),
                 Ok(()) => {
-                    format!("stopped watching exceptions: {} thrown", shared.exceptions_seen.load(Ordering::SeqCst))
+                    format!("stopped watching exceptions: {} thrown", shared.exceptions_seen.sum())
                 }
                 Err(e) => {
                     shared.watching_exceptions.store(was, Ordering::SeqCst);

@@ -1010,7 +1010,11 @@ pub fn walk_until<M: Memory>(
         let step = if outermost {
             native_frame = true;
             Step::Done
-        } else if let Some((next, native)) = by_leaf_rule {
+        } else if let Some((next, native, rule)) = by_leaf_rule {
+            // The same step at the same address next time: a path holds it
+            // (an event walk's first frame is its own code, whose stretch
+            // another thread's walk may have kept before this one's first).
+            tracked = Some(Tracked::Frame(rule));
             if native {
                 native_frame = true;
                 Step::Next(next)
@@ -1292,8 +1296,9 @@ fn native_frame_step<M: Memory>(
 
 /// The walk's first frame stepped by the rule of a stretch of code met
 /// lately that holds its address: a native row, or a managed function's
-/// body when no epilogue starts at the address. With whether it is native.
-fn leaf_rule_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs) -> Option<(Regs, bool)> {
+/// body when no epilogue starts at the address. With whether it is native,
+/// and the rule.
+fn leaf_rule_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs) -> Option<(Regs, bool, FrameRule)> {
     let stretch = map.process_learning.leaf_rules.find(map.lineage, regs.ip)?;
     if !stretch.native {
         let code = mem.leaf_code(regs.ip..stretch.end.min(regs.ip.saturating_add(8)))?;
@@ -1301,7 +1306,7 @@ fn leaf_rule_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs) -> Option<(Regs
             return None;
         }
     }
-    Some((stretch.rule.apply(mem, regs)?, stretch.native))
+    Some((stretch.rule.apply(mem, regs)?, stretch.native, stretch.rule))
 }
 
 /// A managed frame stepped by its function's compiled body rule (see

@@ -579,3 +579,34 @@ fn return_addresses_one_thread_looked_up_serve_another_thread_s_first_walk() {
     walk(&other, &mem, regs, &mut third, &mut out);
     assert_eq!(learned(&mut third).len(), 4);
 }
+
+#[test]
+fn a_leaf_stepped_by_a_kept_stretch_still_leaves_its_path() {
+    // An event walk starts in the walker's own code, whose stretch the first
+    // thread to walk keeps in the process's table. A second thread's walks
+    // step their first frame by that stretch: their path must still be
+    // remembered and taken (it was not: one of two throwing threads walked
+    // every frame each time).
+    let (map, mem, regs) = chain();
+    let mut out = [0u64; 64];
+    let mut first = WalkCache::new();
+    first.remember_paths();
+    let whole = walk(&map, &mem, regs, &mut first, &mut out);
+    assert_eq!(whole.flags, flags::COMPLETE);
+    map.keep_learned(&mut first);
+    let mut second = WalkCache::new();
+    second.remember_paths();
+    let by_stretch = walk(&map, &mem, regs, &mut second, &mut out);
+    assert!(by_stretch.leaf_by_stretch, "the leaf came from the kept stretch");
+    assert_eq!(by_stretch.path_frames, 0, "no path yet");
+    let again = walk(&map, &mem, regs, &mut second, &mut out);
+    assert_eq!((again.len, again.flags), (whole.len, whole.flags));
+    assert!(
+        again.path_frames + again.rest_frames >= whole.len - 1,
+        "{} + {} of {}",
+        again.path_frames,
+        again.rest_frames,
+        whole.len
+    );
+    assert!(again.path_frames >= 1, "the leaf's step is on the path");
+}
