@@ -878,7 +878,11 @@ pub fn walk_until<M: Memory>(
     } else {
         cache.paths.stop();
     }
-    prefetch_frame_chain(map, mem, cache, regs);
+    // A walk that took a remembered path repeats one made a moment ago
+    // (an event storm): what it reads next is in the cache already.
+    if path_frames == 0 {
+        prefetch_frame_chain(map, mem, cache, regs);
+    }
     let trampoline = map.hijack_trampoline();
     loop {
         if regs.ip == 0 {
