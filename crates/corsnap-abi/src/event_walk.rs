@@ -52,7 +52,7 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use corsnap_unwind::{lookup_address, CodeMap, Memory, Regs, Walk, WalkCache};
+use corsnap_unwind::{lookup_address, CodeMap, Regs, Walk, WalkCache};
 
 use crate::signal::{LiveMemory, MAX_FRAMES};
 
@@ -341,13 +341,9 @@ pub fn walk_own_stack<R>(
         let mut kept = Vec::with_capacity(kept_words);
         // As the signal handler's copies: a hijack the walk stepped over by
         // a guess is put back too.
-        let undone_hijack = walk.undone_hijack.or_else(|| memory.hijack_in_stack(regs.sp));
-        for i in 0..kept_words as u64 {
-            let address = regs.sp + 8 * i;
-            kept.push(match undone_hijack {
-                Some((slot, original)) if slot == address => original,
-                _ => memory.stack_word(address).unwrap_or(0),
-            });
+        let mut hijack = crate::signal::CopyHijack::new(walk.undone_hijack, &memory);
+        for i in 0..kept_words {
+            kept.push(memory.copied_word(regs.sp, i, &mut hijack));
         }
         copy = Some(OwnStackCopy { regs, words: kept, splice: walk.splice.map(|(i, at)| (i, at.sp)) });
         // The agent learns that code when it takes this event: the sooner,

@@ -43,8 +43,8 @@ mod trampoline;
 use clocks::*;
 use copy_pool::POOL;
 pub use handler::monotonic_ns;
-pub(crate) use handler::LiveMemory;
 use handler::*;
+pub(crate) use handler::{CopyHijack, LiveMemory};
 use ring::*;
 pub use ring::{rewalk, RawSample, StackCopy};
 pub use sampler::{InstallError, SignalSampler, SlotId};
@@ -197,6 +197,20 @@ mod tests {
         let memory = LiveMemory { stack: start..start + 64 * 8, map: &map, runtime_thread };
         let before = HIJACK_FIELDS.swap(OFFSET, Ordering::Relaxed);
         assert_eq!(memory.hijack_in_stack(start), Some((slot, original)));
+        // A copy word by word puts the original back where the trampoline
+        // is (looked up when the copy meets it), and nothing else changes.
+        let mut hijack = CopyHijack::new(None, &memory);
+        let copied: Vec<u64> = (0..64).map(|i| memory.copied_word(start, i, &mut hijack)).collect();
+        let mut expected = stack.clone();
+        expected[40] = original;
+        assert_eq!(copied, expected);
+        // A copy that starts above the slot never meets it.
+        let mut above = CopyHijack::new(None, &memory);
+        assert!((0..20).all(|i| memory.copied_word(slot + 8, i, &mut above) == stack[41 + i]));
+        assert!(matches!(above, CopyHijack::NotLooked { .. }), "no look at the thread object");
+        // The walk's own undone hijack is used as it is.
+        let mut walked = CopyHijack::new(Some((slot, original)), &memory);
+        assert_eq!(memory.copied_word(start, 40, &mut walked), original);
         // The slot lies below the copy's first word: not the copy's.
         assert_eq!(memory.hijack_in_stack(slot + 8), None);
         // The hijack was undone (the slot holds the original again).

@@ -598,18 +598,6 @@ impl SignalEngine {
         self.scratch = scratch;
     }
 
-    /// Learns what the runtime compiled since the last round, between two
-    /// drains, and gives the handlers a map with it.
-    pub fn learn_compiled_now(&mut self) {
-        if self.sampler.is_none() {
-            return;
-        }
-        self.learn_compiled();
-        if self.map_dirty {
-            self.publish();
-        }
-    }
-
     /// Learns the code of the functions the runtime compiled since the last
     /// round, before a sample lands in it: a sample in a body not learned
     /// yet needs a stack copy and a second walk.
@@ -662,6 +650,14 @@ impl SignalEngine {
                 }
                 match self.learner.learn(addr) {
                     Learned::Code(code) => {
+                        if self.debug_walks {
+                            log::write(format_args!(
+                                "learned from a copy: {addr:#x} in {} {:#x}..{:#x}",
+                                if code.frameless { "stub code" } else { "managed code" },
+                                code.code.start,
+                                code.code.end
+                            ));
+                        }
                         self.add_managed(code);
                         learned = true;
                     }

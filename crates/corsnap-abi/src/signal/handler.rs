@@ -57,9 +57,10 @@
 //!    here); a full ring drops the sample and counts it. A
 //!    stack copy goes into a block of the shared pool, taken with a bounded
 //!    compare-and-swap and written with relaxed stores ([`copy_pool`]).
-//!    Before a copy (only then), the same 16 bytes of the thread object are
-//!    read once more, the same way, to put back a hijack the walk did not
-//!    meet ([`LiveMemory::hijack_in_stack`]).
+//!    When a copy meets the hijack trampoline among the words it copies
+//!    (only then), the same 16 bytes of the thread object are read once
+//!    more, the same way, to put back a hijack the walk did not meet
+//!    ([`LiveMemory::copied_word`]).
 //!    A stretch of code the walk learned at its leaf, and the return
 //!    addresses it looked up in full, go into the slot's mailboxes for the
 //!    agent the same way (relaxed stores, one release store; a full mailbox
@@ -101,7 +102,7 @@ impl LiveMemory<'_> {
     /// and stack hold still; the runtime writes the trampoline into the slot
     /// after both fields, so a slot that holds it has fields to match.
     pub(crate) fn hijack_in_stack(&self, sp: u64) -> Option<(u64, u64)> {
-        let trampoline = self.map.hijack_trampoline().unwrap_or_else(|| HIJACK_TRAMPOLINE.load(Ordering::Relaxed));
+        let trampoline = self.hijack_trampoline();
         if trampoline == 0 {
             return None;
         }
@@ -110,6 +111,58 @@ impl LiveMemory<'_> {
             return None;
         }
         (self.stack_word(slot)? == trampoline).then_some((slot, original))
+    }
+}
+
+impl LiveMemory<'_> {
+    /// The runtime's hijack trampoline, as the map found it or a walk
+    /// learned it; 0 while unknown.
+    pub(crate) fn hijack_trampoline(&self) -> u64 {
+        self.map.hijack_trampoline().unwrap_or_else(|| HIJACK_TRAMPOLINE.load(Ordering::Relaxed))
+    }
+
+    /// Word `i` of a copy of this stack from `sp` up, with a hijacked return
+    /// address put back: the one the walk undid (`hijack`), or, the first
+    /// time the trampoline turns up among the words, the one the thread
+    /// object says it replaced ([`Self::hijack_in_stack`]). Its slot holds
+    /// the trampoline, so a copy that never meets the trampoline needs no
+    /// look at the thread object: that look (`process_vm_readv`, 17 to 60
+    /// µs here, waiting on the process's `mmap_lock` behind the collector's
+    /// `madvise` calls) was made before every copy, and set the handler's
+    /// p99. Async-signal-safe: one read of this stack, and at most once a
+    /// copy [`Self::hijack_in_stack`].
+    pub(crate) fn copied_word(&self, sp: u64, i: usize, hijack: &mut CopyHijack) -> u64 {
+        let address = sp.wrapping_add(8 * i as u64);
+        let word = self.stack_word(address).unwrap_or(0);
+        if let CopyHijack::NotLooked { trampoline } = *hijack {
+            if word == trampoline && trampoline != 0 {
+                *hijack = CopyHijack::Known(self.hijack_in_stack(sp));
+            }
+        }
+        match *hijack {
+            CopyHijack::Known(Some((slot, original))) if slot == address => original,
+            _ => word,
+        }
+    }
+}
+
+/// What a stack copy knows of a hijacked return address in it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum CopyHijack {
+    /// Not looked for yet: looked for when `trampoline` turns up.
+    NotLooked { trampoline: u64 },
+    /// Looked for (or undone by the walk): the slot and the original.
+    Known(Option<(u64, u64)>),
+}
+
+impl CopyHijack {
+    /// The walk's undone hijack if it met one, else one to look for when
+    /// the copy meets the trampoline.
+    pub(crate) fn new(undone_by_walk: Option<(u64, u64)>, memory: &LiveMemory<'_>) -> CopyHijack {
+        match undone_by_walk {
+            Some(h) => CopyHijack::Known(Some(h)),
+            None => CopyHijack::NotLooked { trampoline: memory.hijack_trampoline() },
+        }
     }
 }
 
@@ -503,7 +556,7 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
         words: deep_words,
         min_words: min_copy_words,
         memory: &memory,
-        undone_hijack: walk.undone_hijack.or_else(|| memory.hijack_in_stack(regs.sp)),
+        hijack: CopyHijack::new(walk.undone_hijack, &memory),
         known_frames: walk.known_frames,
         splice: walk.splice.map(|(i, at)| (i, at.sp)),
     });

@@ -94,12 +94,9 @@ impl Ring {
                 self.words[(h + n) % RING_WORDS].store(w, Ordering::Relaxed);
                 n += 1;
             }
+            let mut hijack = c.hijack;
             for i in 0..c.words {
-                let address = c.regs.sp + 8 * i as u64;
-                let w = match c.undone_hijack {
-                    Some((slot, original)) if slot == address => original,
-                    _ => c.memory.stack_word(address).unwrap_or(0),
-                };
+                let w = c.memory.copied_word(c.regs.sp, i, &mut hijack);
                 match &pooled {
                     Some(b) => b.store(i, w),
                     None => {
@@ -126,8 +123,8 @@ pub(super) struct StackToCopy<'a> {
     /// when the ring is short of room for `words`.
     pub(super) min_words: usize,
     pub(super) memory: &'a LiveMemory<'a>,
-    /// A hijacked return address to put back in the copy: (slot, original).
-    pub(super) undone_hijack: Option<(u64, u64)>,
+    /// A hijacked return address to put back in the copy.
+    pub(super) hijack: CopyHijack,
     /// See `corsnap_unwind::Walk::known_frames`.
     pub(super) known_frames: usize,
     /// See `corsnap_unwind::Walk::splice`: (index, stack pointer).
