@@ -30,10 +30,11 @@
 //!    native frames (`.eh_frame`) and the managed ones (their `UNWIND_INFO`),
 //!    as the signal handler does from an interrupted context.
 //! 4. The stack is bounded by the mapping the map lists for this stack
-//!    pointer; for a stack the map does not list yet (a thread newer than
-//!    the map), by the bounds the thread library gives for this thread
-//!    (`pthread_getattr_np`, asked once per thread), and the agent reads the
-//!    stacks again at its next round. Only when the thread library cannot
+//!    pointer, cut to the bounds the thread library gives for this thread
+//!    (`pthread_getattr_np`, asked once per thread: a mapping may have
+//!    merged with a neighbour that is unmapped since); for a stack the map
+//!    does not list yet (a thread newer than the map), by those bounds
+//!    alone, and the agent reads the stacks again at its next round. Only when the thread library cannot
 //!    say is the walk refused ([`OwnWalkError::UnknownStack`]), the agent
 //!    woken to read the stacks, and the caller falls back to
 //!    `DoStackSnapshot`.
@@ -289,24 +290,33 @@ pub fn walk_own_stack<R>(
             &mut own_walker
         }
     };
-    let Some(stack) = walker.stack_of(map, regs.sp).or_else(|| {
-        // A thread made since the map was read: its own stack is known to
-        // its thread library, so its events need not wait for the agent's
-        // thread (slow to be scheduled on a busy machine) to read the
-        // process's stacks again. The map still learns of it at its next
-        // refresh, unhurried.
-        let own = own_thread_stack(regs.sp);
-        if own.is_some() {
+    // The map's range is the whole anonymous mapping that held the stack
+    // pointer when the map was read, which may take in a neighbour merged
+    // with the stack then and unmapped since; the thread library's bounds
+    // are the stack's own (asked once per thread), so the walk, and a copy
+    // of an incomplete one (up to 32 KiB above the stack pointer), never
+    // read past them.
+    let own = own_thread_stack(regs.sp);
+    let stack = match (walker.stack_of(map, regs.sp), own) {
+        (Some(mapped), Some(own)) => mapped.start.max(own.start)..mapped.end.min(own.end),
+        (Some(mapped), None) => mapped,
+        (None, Some(own)) => {
+            // A thread made since the map was read: its own stack is known
+            // to its thread library, so its events need not wait for the
+            // agent's thread (slow to be scheduled on a busy machine) to read
+            // the process's stacks again. The map still learns of it at its
+            // next refresh, unhurried.
             OWN_STACKS.fetch_add(1, Ordering::Relaxed);
             STACKS_STALE.store(true, Ordering::Relaxed);
+            own
         }
-        own
-    }) else {
-        UNKNOWN_STACKS.fetch_add(1, Ordering::Relaxed);
-        if !STACKS_STALE.swap(true, Ordering::Relaxed) {
-            WAKE_WANTED.store(true, Ordering::Relaxed);
+        (None, None) => {
+            UNKNOWN_STACKS.fetch_add(1, Ordering::Relaxed);
+            if !STACKS_STALE.swap(true, Ordering::Relaxed) {
+                WAKE_WANTED.store(true, Ordering::Relaxed);
+            }
+            return Err(OwnWalkError::UnknownStack);
         }
-        return Err(OwnWalkError::UnknownStack);
     };
     let memory = LiveMemory { stack: stack.clone(), map, runtime_thread };
     let Walker { cache, words, counts, .. } = walker;
