@@ -220,12 +220,13 @@ impl Borrowed {
         // Start at a place of the thread's own (a hash of its thread
         // pointer), so that a thread mostly takes the same walker, whose
         // paths and last walk are its own stack's and whose memory is warm
-        // in its core's cache. Threads' stacks and thread pointers lie a
-        // stack's size apart: the bare address bits (1.5 MiB stacks, >> 12,
-        // % 32) sent every thread pool worker to slot 0, and two workers
-        // throwing on two cores passed one walker between them (its first
-        // line and the pool slot's were misses at every event, about 1.5%
-        // of `validate`'s CPU on .NET 10).
+        // in its core's cache. Before, the start came from the bare bits of
+        // a stack address (>> 12, % 32), which differ little between
+        // threads whose stacks lie a stack's size apart, and `validate`'s
+        // two throwing workers showed the marks of one walker passed
+        // between their cores: the pool slot's swap and the walker's first
+        // line were misses at every event, about 1.5% of the CPU on .NET
+        // 10, and 0.1% with this start.
         let start = (crate::thread_hash() >> 59) as usize % POOL;
         (0..POOL).map(|i| (start + i) % POOL).find_map(|index| {
             let walker = CACHE_POOL[index].0.swap(null_mut(), Ordering::Acquire);
