@@ -32,12 +32,13 @@
 //! 4. The stack is bounded by the mapping the map lists for this stack
 //!    pointer, cut to the bounds the thread library gives for this thread
 //!    (`pthread_getattr_np`, asked once per thread: a mapping may have
-//!    merged with a neighbour that is unmapped since); for a stack the map
+//!    merged with a neighbour that is unmapped since; not the main
+//!    thread's, whose `[stack]` merges with nothing); for a stack the map
 //!    does not list yet (a thread newer than the map), by those bounds
-//!    alone, and the agent reads the stacks again at its next round. Only when the thread library cannot
-//!    say is the walk refused ([`OwnWalkError::UnknownStack`]), the agent
-//!    woken to read the stacks, and the caller falls back to
-//!    `DoStackSnapshot`.
+//!    alone, and the agent reads the stacks again at its next round. Only
+//!    when the thread library cannot say is the walk refused
+//!    ([`OwnWalkError::UnknownStack`]), the agent woken to read the stacks,
+//!    and the caller falls back to `DoStackSnapshot`.
 //! 5. Memory is read only through the signal handler's `LiveMemory`: this
 //!    thread's stack mapping and the code regions of the map; a hijacked
 //!    return address is undone from the runtime's thread object as there.
@@ -379,14 +380,29 @@ pub fn walk_own_stack<R>(
 /// handler: `pthread_getattr_np` allocates, and on the main thread reads
 /// `/proc/self/maps`; the main thread is in every map anyway.)
 fn own_thread_stack(sp: u64) -> Option<std::ops::Range<u64>> {
+    /// Remembered for the main thread: no bounds asked (an empty range that
+    /// holds no stack pointer).
+    const MAIN_THREAD: (u64, u64) = (1, 0);
     thread_local! {
         // No destructor: a thread-local with one would pin the agent's
         // library after a detach.
         static OWN_STACK: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
     }
     let remembered = OWN_STACK.try_with(Cell::get).unwrap_or((0, 0));
+    if remembered == MAIN_THREAD {
+        return None;
+    }
     if (remembered.0..remembered.1).contains(&sp) {
         return Some(remembered.0..remembered.1);
+    }
+    // The main thread's bounds would cost a read of `/proc/self/maps`
+    // (glibc reads it for them) inside a callback; its stack is the
+    // `[stack]` mapping, which grows down, merges with nothing, and is in
+    // every map. Two system calls, once per thread.
+    // SAFETY: gettid and getpid have no preconditions.
+    if unsafe { libc::gettid() == libc::getpid() } {
+        let _ = OWN_STACK.try_with(|c| c.set(MAIN_THREAD));
+        return None;
     }
     let mut attr = std::mem::MaybeUninit::<libc::pthread_attr_t>::uninit();
     let (mut base, mut size) = (null_mut(), 0usize);
