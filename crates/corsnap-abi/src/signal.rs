@@ -323,7 +323,7 @@ mod tests {
         });
         let tid = tid_rx.recv().unwrap();
         sampler.publish(Arc::new(own_code_map()));
-        let slot = sampler.add_thread(tid, 1_000_000).unwrap();
+        let slot = sampler.add_thread(tid, 1_000_000, 0).unwrap();
         sampler.set_enabled(true);
         let started = Instant::now();
         let mut samples = Vec::new();

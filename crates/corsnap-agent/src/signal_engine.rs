@@ -679,6 +679,12 @@ impl SignalEngine {
             raw.frames = out;
             raw.flags = walk.flags;
             self.rewalked += 1;
+            if self.debug_walks {
+                log::write(format_args!(
+                    "walk again, round {round}: flags {:#x}, {} frames, splice {:?}",
+                    walk.flags, walk.len, copy.splice
+                ));
+            }
             if walk.flags & flags::UNKNOWN_CODE == 0 {
                 break;
             }
@@ -1083,26 +1089,37 @@ impl SignalEngine {
             .filter(|t| !self.threads.contains_key(t) && !self.own_tids.contains(t) && !self.refused.contains(t))
             .copied()
             .collect();
-        self.update_runtime_threads();
         if new.is_empty() {
+            self.update_runtime_threads();
             return;
         }
         // Their stacks must be in the map before a signal can arrive.
         self.refresh_stacks();
         self.publish();
+        // The hijack fields' offset is found from the threads' stacks, now
+        // in the map: before the new threads' first samples, which a
+        // collection under way may find hijacked.
+        self.update_runtime_threads();
         let Some(sampler) = self.sampler.as_mut() else { return };
+        let by_tid = self.shared.threads.by_os_tid();
         for tid in new {
             if is_agent_thread(tid) {
                 self.own_tids.insert(tid);
                 continue;
             }
-            match sampler.add_thread(tid, self.interval_ns) {
+            // Its runtime thread object (where a hijacked return address is
+            // kept) goes in with its slot, before its first sample: set at
+            // the next round, as it was, a thread hijacked by a collection
+            // in between lost its callers (gcstop.cs on .NET Core 3.1, with
+            // the agent's thread slow to come round on a crowded machine).
+            let runtime_thread = by_tid.get(&tid).copied().unwrap_or(0) as u64;
+            match sampler.add_thread(tid, self.interval_ns, runtime_thread) {
                 Ok(slot) => {
                     // The first look at its switches is its baseline, so its
                     // clock can be chosen at the next check.
                     let switches =
                         if self.clock_per_thread { context_switches(tid).map(|c| (c, Instant::now())) } else { None };
-                    self.threads.insert(tid, Sampled { slot, runtime_thread: 0, switches, clock_chosen: false });
+                    self.threads.insert(tid, Sampled { slot, runtime_thread, switches, clock_chosen: false });
                 }
                 Err(_) => {
                     self.refused.insert(tid);
@@ -1174,6 +1191,9 @@ impl SignalEngine {
             if thread != sampled.runtime_thread {
                 sampled.runtime_thread = thread;
                 sampler.set_runtime_thread(sampled.slot, thread);
+                if self.debug_walks {
+                    log::write(format_args!("thread {tid}: runtime thread {thread:#x}"));
+                }
             }
         }
         if signal::hijack_fields_offset() == 0 {

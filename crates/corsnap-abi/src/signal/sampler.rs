@@ -218,7 +218,9 @@ impl SignalSampler {
     /// perf event where the kernel allows one (exact CPU time, dithered
     /// periods), else by a POSIX CPU-time timer (which the kernel checks only
     /// at its scheduler tick, so samples fall on tick boundaries).
-    pub fn add_thread(&mut self, tid: u32, interval_ns: u64) -> std::io::Result<SlotId> {
+    /// `runtime_thread`: its runtime thread object, 0 if not known yet (see
+    /// [`SignalSampler::set_runtime_thread`]).
+    pub fn add_thread(&mut self, tid: u32, interval_ns: u64, runtime_thread: u64) -> std::io::Result<SlotId> {
         let index = match self.free_slots.pop() {
             Some(i) => i,
             None if self.next_slot < MAX_SLOTS => {
@@ -288,7 +290,7 @@ impl SignalSampler {
             requested_samples: AtomicU64::new(0),
             dropped_full: AtomicU64::new(0),
             unknown_stack: AtomicU64::new(0),
-            runtime_thread: AtomicU64::new(0),
+            runtime_thread: AtomicU64::new(runtime_thread),
         });
         // Mapped now, not at the handler's first touches (see `populate`).
         crate::process::populate(&*slot as *const ThreadSlot as usize, std::mem::size_of::<ThreadSlot>());
