@@ -47,6 +47,11 @@ fn signal_drain_every(rate_hz: u32) -> Duration {
 }
 /// How often samples are drained while they meet code not learned yet.
 const LEARNING_DRAIN_EVERY: Duration = Duration::from_millis(5);
+/// The least time between two rounds that learn freshly compiled code
+/// between drains: soon enough that few samples land in a body before the
+/// handlers' map has it, seldom enough that a program compiling thousands of
+/// methods at start does not keep the agent's thread publishing maps.
+pub(crate) const LEARN_COMPILED_EVERY: Duration = Duration::from_millis(2);
 
 /// The `signal` engine as the sampler thread drives it.
 pub(crate) struct SignalCpuEngine {
@@ -55,6 +60,8 @@ pub(crate) struct SignalCpuEngine {
     samples: Vec<Sample>,
     rate: u32,
     next_drain: Instant,
+    /// When compiled code was last learned between drains.
+    last_learned: Instant,
 }
 
 impl SignalCpuEngine {
@@ -67,6 +74,7 @@ impl SignalCpuEngine {
             samples: Vec::new(),
             rate,
             next_drain: Instant::now() + LEARNING_DRAIN_EVERY,
+            last_learned: Instant::now(),
         })
     }
 
@@ -101,14 +109,32 @@ impl Engine for SignalCpuEngine {
     fn next_run(&mut self, now: Instant) -> Option<Instant> {
         // A thread the runtime just announced is looked for at once.
         let announced = self.shared.threads_changed.load(Ordering::Relaxed);
-        Some(if announced { now } else { self.next_drain })
+        if announced {
+            return Some(now);
+        }
+        // Code the runtime just compiled is learned soon.
+        if self.shared.code_compiled.load(Ordering::Relaxed) {
+            return Some(self.next_drain.min((self.last_learned + LEARN_COMPILED_EVERY).max(now)));
+        }
+        Some(self.next_drain)
     }
 
     fn run(&mut self, recorder: &mut Recorder, now: Instant) -> bool {
         let announced = self.shared.threads_changed.swap(false, Ordering::Relaxed);
         if now < self.next_drain && !announced {
+            if now >= self.last_learned + LEARN_COMPILED_EVERY
+                && self.shared.code_compiled.swap(false, Ordering::Relaxed)
+            {
+                // Between drains: the new code learned and published, the
+                // samples left where they are.
+                self.engine.learn_compiled_now();
+                self.last_learned = Instant::now();
+            }
             return false;
         }
+        // A drain learns what was compiled too.
+        self.shared.code_compiled.store(false, Ordering::Relaxed);
+        self.last_learned = now;
         let first = recorder.stats.samples == 0;
         let sent = self.collect(recorder, announced);
         // Samples in code not learned yet carry stack copies, which fill a

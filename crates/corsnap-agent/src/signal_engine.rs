@@ -598,6 +598,18 @@ impl SignalEngine {
         self.scratch = scratch;
     }
 
+    /// Learns what the runtime compiled since the last round, between two
+    /// drains, and gives the handlers a map with it.
+    pub fn learn_compiled_now(&mut self) {
+        if self.sampler.is_none() {
+            return;
+        }
+        self.learn_compiled();
+        if self.map_dirty {
+            self.publish();
+        }
+    }
+
     /// Learns the code of the functions the runtime compiled since the last
     /// round, before a sample lands in it: a sample in a body not learned
     /// yet needs a stack copy and a second walk.
