@@ -4,7 +4,8 @@
 test programs that run thread-pool work through interfaces and LINQ
 (pool.cs), exceptions thrown and caught in tasks (taskfaults.cs) and async
 methods (asyncwork.cs), on .NET 10 and 8. Also how many stacks were
-incomplete or walked again from a stack copy (code not learned yet).
+incomplete, went through code not learned yet, or were walked again from
+the copy of their stack the handler stored (its dearest samples).
 
 Each round runs every program once, in a fresh order; the table gives the
 median over the rounds and their range. The handler's figures come from the
@@ -27,7 +28,8 @@ from common import CORSNAP, OUT, ROOT, prepare
 
 PROGRAMS = ["pool", "taskfaults", "asyncwork"]
 STATS = re.compile(
-    r"handler median ([\d.]+) µs, p99 ([\d.]+) µs; (\d+) stacks incomplete, (\d+) through code not yet learned")
+    r"handler median ([\d.]+) µs, p99 ([\d.]+) µs; (\d+) stacks incomplete, (\d+) through code not yet learned"
+    r"(?: \(\d+ of the \d+ samples after the first second\), (\d+) with a stack copy walked again \((\d+) more)?")
 SAMPLES = re.compile(r"\(signal engine\): (\d+) samples")
 
 
@@ -61,9 +63,16 @@ def main():
             stats, samples = STATS.search(done.stderr), SAMPLES.search(done.stderr)
             if done.returncode != 0 or not stats or not samples:
                 raise SystemExit(f"{program} .NET {rt}: no statistics\n{done.stderr}")
+            # An older build (`--baseline`) does not count its copies.
+            copies = (int(stats[5]), int(stats[6])) if stats[5] is not None else None
             results[(build, program, rt)].append((float(stats[1]), float(stats[2]), int(stats[3]), int(stats[4]),
-                                           int(samples[1])))
+                                                  int(samples[1]), copies))
         print(f"  round {round_ + 1}/{args.rounds} done", flush=True)
+
+    def copies(r):
+        if any(x[5] is None for x in r):
+            return "-"
+        return f"{sum(x[5][0] for x in r)} ({sum(x[5][1] for x in r)})"
 
     def spread(values, unit=""):
         return f"{statistics.median(values):.1f}{unit} ({min(values):.1f}..{max(values):.1f})"
@@ -71,14 +80,16 @@ def main():
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"\nmedian of {args.rounds} rounds (range in brackets), {args.rate} Hz, {args.seconds:g} s each, "
           f"{os.cpu_count()} CPUs, load average at the end {load}\n")
-    print("| program | .NET | build | handler median | handler p99 | samples | incomplete | walked again |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| program | .NET | build | handler median | handler p99 | samples | incomplete | through unknown code "
+          "| stack copies (no room) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for program, rt, _, _ in runs:
         for build, _ in builds:
             r = results[(build, program, rt)]
             print(f"| {program} | {rt} | {build} | {spread([x[0] for x in r], ' µs')} | "
                   f"{spread([x[1] for x in r], ' µs')} | {statistics.median(x[4] for x in r):.0f} | "
-                  f"{sum(x[2] for x in r)} | {sum(x[3] for x in r)} |")
+                  f"{sum(x[2] for x in r)} | {sum(x[3] for x in r)} | "
+                  f"{copies(r)} |")
     print("\ntargets (issue 15): median <= 5 µs, p99 <= 30 µs")
 
 

@@ -211,8 +211,13 @@ pub struct SignalEngine {
     rewalk_cache: corsnap_unwind::WalkCache,
     /// Samples taken on request (walk verification), kept apart.
     requested: Vec<Sample>,
-    /// Samples walked again from their stack copy.
+    /// Walks again of samples from their stack copy (a sample may take
+    /// several rounds).
     pub rewalked: u64,
+    /// Samples that came with a stack copy.
+    stack_copies: u64,
+    /// Samples that met code not known yet, with no room for their copy.
+    stack_copies_refused: u64,
     /// Bodies learned as the runtime finished compiling them, and the time
     /// that took.
     learned_at_compile: u64,
@@ -317,6 +322,8 @@ impl SignalEngine {
             rewalk_cache: corsnap_unwind::WalkCache::new(),
             requested: Vec::new(),
             rewalked: 0,
+            stack_copies: 0,
+            stack_copies_refused: 0,
             learned_at_compile: 0,
             learning_at_compile: Duration::ZERO,
             rewalked_before_collect: 0,
@@ -486,6 +493,8 @@ impl SignalEngine {
         stats.unknown_code_stacks = self.unknown_code;
         stats.samples_after_first_second = self.samples_after_first_second;
         stats.unknown_code_stacks_after_first_second = self.unknown_code_after_first_second;
+        stats.stack_copies = self.stack_copies;
+        stats.stack_copies_refused = self.stack_copies_refused;
         stats.truncated_stacks = self.truncated;
         stats.threads_sampled = self.threads.len() as u64;
         if let Some(s) = &self.sampler {
@@ -531,10 +540,11 @@ impl SignalEngine {
             }
             let c = signal::counters();
             log::write(format_args!(
-                "signal engine stopped: {} samples ({} walked again from their stack copy); {} JIT bodies ({} as \
+                "signal engine stopped: {} samples ({} walked again from their stack copy, in {} walks); {} JIT bodies ({} as \
                  they were compiled, in {:?}, {} found by the runtime's code map, {} map answers refused), {} stubs and {} \
                  images learned; {c:?}",
                 self.samples,
+                self.stack_copies,
                 self.rewalked,
                 self.learner.jit_bodies_learned,
                 self.learned_at_compile,
@@ -567,6 +577,11 @@ impl SignalEngine {
                     }
                 }
                 None => {
+                    // A walk through unknown code always builds a copy; with
+                    // none, the ring had no room for it.
+                    if s.flags & flags::UNKNOWN_CODE != 0 {
+                        self.stack_copies_refused += 1;
+                    }
                     if let Some(sample) = self.resolve(tid, s.weight_ns, s.time_ns, s.handler_ns, s.flags, s.frames) {
                         out.push(sample);
                     }
@@ -636,6 +651,7 @@ impl SignalEngine {
         // be known by now (learned from an earlier sample), or be learned
         // from this one's addresses.
         let original = (raw.frames.clone(), raw.flags);
+        self.stack_copies += 1;
         if self.debug_walks {
             let unknown: Vec<String> = raw
                 .frames

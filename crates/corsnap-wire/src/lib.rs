@@ -242,6 +242,14 @@ pub struct SamplerStats {
     /// learned: whether learning converged.
     pub samples_after_first_second: u64,
     pub unknown_code_stacks_after_first_second: u64,
+    /// Signal engine: samples whose handler stored a copy of the stack
+    /// (its walk met code not learned yet), walked again by the agent.
+    /// Those samples are the handler's dearest.
+    pub stack_copies: u64,
+    /// Signal engine: samples whose walk met code not learned yet but whose
+    /// copy found no room (the agent's thread had not drained the thread's
+    /// buffer in time): kept up to that code and marked incomplete.
+    pub stack_copies_refused: u64,
 }
 
 /// Everything that travels from the agent to the CLI. `Recording` is written
@@ -754,7 +762,7 @@ fn finish_frame(buf: &mut [u8], start: usize) {
     buf[start..start + 4].copy_from_slice(&len.to_le_bytes());
 }
 
-const STATS_FIELDS: usize = 31;
+const STATS_FIELDS: usize = 33;
 
 fn stats_fields(s: &SamplerStats) -> [u64; STATS_FIELDS] {
     [
@@ -789,6 +797,8 @@ fn stats_fields(s: &SamplerStats) -> [u64; STATS_FIELDS] {
         s.clock_switches,
         s.samples_after_first_second,
         s.unknown_code_stacks_after_first_second,
+        s.stack_copies,
+        s.stack_copies_refused,
     ]
 }
 
@@ -825,6 +835,8 @@ fn stats_from_fields(v: [u64; STATS_FIELDS]) -> SamplerStats {
         clock_switches: v[28],
         samples_after_first_second: v[29],
         unknown_code_stacks_after_first_second: v[30],
+        stack_copies: v[31],
+        stack_copies_refused: v[32],
     }
 }
 
@@ -1185,15 +1197,15 @@ mod tests {
         let body = &buf[4..];
         // Version 2 agents (and raw recordings) sent 18 fields, and those
         // before the signal engine 19.
-        let older = &body[..body.len() - 13 * 8];
+        let older = &body[..body.len() - 15 * 8];
         assert_eq!(
             Message::decode(older),
             Ok(Message::Stats(SamplerStats { throttled_ticks: 0, ..stats })),
             "the 18 fields of an older agent"
         );
-        let before_signal = &body[..body.len() - 12 * 8];
+        let before_signal = &body[..body.len() - 14 * 8];
         assert_eq!(Message::decode(before_signal), Ok(Message::Stats(stats)), "19 fields");
-        assert!(Message::decode(&body[..body.len() - 14 * 8]).is_err(), "fewer than 18 is broken");
+        assert!(Message::decode(&body[..body.len() - 16 * 8]).is_err(), "fewer than 18 is broken");
     }
 
     #[test]

@@ -63,8 +63,8 @@ pub fn describe_stats(s: &corsnap_wire::SamplerStats) -> String {
         return format!(
             "agent (signal engine): {} samples from {} threads now sampled ({} by CPU timers, the rest by perf \
              events; {} clock changes), {} dropped; per sample in the handler median {:.1} µs, p99 {:.1} µs; {} \
-             stacks incomplete, {} through code not yet learned ({} of the {} samples after the first second), {} truncated; agent thread CPU {:.0} ms; {} names \
-             ({} unresolved){suspend}",
+             stacks incomplete, {} through code not yet learned ({} of the {} samples after the first second), {} \
+             with a stack copy walked again ({} more without room for theirs), {} truncated; agent thread CPU {:.0} ms; {} names ({} unresolved){suspend}",
             s.signal_samples,
             s.threads_sampled,
             s.threads_on_timers,
@@ -76,6 +76,8 @@ pub fn describe_stats(s: &corsnap_wire::SamplerStats) -> String {
             s.unknown_code_stacks,
             s.unknown_code_stacks_after_first_second,
             s.samples_after_first_second,
+            s.stack_copies,
+            s.stack_copies_refused,
             s.truncated_stacks,
             s.sampler_cpu_ns as f64 / 1e6,
             s.names_resolved,
