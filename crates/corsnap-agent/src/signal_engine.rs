@@ -1127,9 +1127,8 @@ impl SignalEngine {
         // The hijack fields' offset is found from the threads' stacks, now
         // in the map: before the new threads' first samples, which a
         // collection under way may find hijacked.
-        self.update_runtime_threads();
+        let by_tid = self.update_runtime_threads();
         let Some(sampler) = self.sampler.as_mut() else { return };
-        let by_tid = self.shared.threads.by_os_tid();
         for tid in new {
             if is_agent_thread(tid) {
                 self.own_tids.insert(tid);
@@ -1211,9 +1210,10 @@ impl SignalEngine {
     /// Tells each thread's handler which runtime thread object is its own
     /// (a hijacked return address is kept there), and finds where in that
     /// object it is kept, once.
-    fn update_runtime_threads(&mut self) {
-        let Some(sampler) = self.sampler.as_ref() else { return };
+    /// Returns the runtime's threads by OS tid, as read for it.
+    fn update_runtime_threads(&mut self) -> HashMap<u32, corsnap_abi::ThreadID> {
         let by_tid = self.shared.threads.by_os_tid();
+        let Some(sampler) = self.sampler.as_ref() else { return by_tid };
         for (tid, sampled) in self.threads.iter_mut() {
             let thread = by_tid.get(tid).copied().unwrap_or(0) as u64;
             if thread != sampled.runtime_thread {
@@ -1237,6 +1237,7 @@ impl SignalEngine {
                 signal::set_hijack_fields_offset(offset);
             }
         }
+        by_tid
     }
 
     fn refresh_stacks(&mut self) {
