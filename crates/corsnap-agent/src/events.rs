@@ -34,6 +34,13 @@ const TRUNCATED_BIT: u64 = 1;
 /// In a tally key's last head word: the frames are raw addresses from the
 /// native walker (its walk flags from bit 8 on), not `FunctionID`s.
 const RAW_BIT: u64 = 2;
+/// In a tally key's last head word: the subject word is an exception type
+/// name's number ([`EventQueue::exception_type`]), not a `ClassID`.
+const NAMED_BIT: u64 = 4;
+/// Distinct exception type names kept; past them a throw's type reads as
+/// [`TOO_MANY_TYPES`].
+const MAX_EXCEPTION_TYPES: usize = 65_536;
+const TOO_MANY_TYPES: &str = "[exception type beyond the first 65,536]";
 // The native walker hands its frames after room for the key's head.
 const _: () = assert!(KEY_HEAD <= corsnap_abi::event_walk::HEAD_ROOM);
 /// Tally shards, picked by thread, so threads throwing at once rarely meet
@@ -103,6 +110,44 @@ pub enum Subject {
     /// A class, named by its metadata where it has a definition of its own,
     /// else by the runtime's name for it (arrays, generic instances).
     ClassOr(ClassID, String),
+    /// An exception type by the runtime's name for it, numbered by
+    /// [`EventQueue::exception_type`] (exceptions from EventPipe, which
+    /// names the type but has no `ClassID`).
+    ExceptionType(u32),
+}
+
+impl Subject {
+    /// The tally key's subject word and form bits, for a subject a tally
+    /// can count without allocating.
+    fn tally_word(&self) -> Option<(u64, u64)> {
+        match *self {
+            Subject::Class(class) => Some((class as u64, 0)),
+            Subject::ExceptionType(number) => Some((u64::from(number), NAMED_BIT)),
+            Subject::Text(_) | Subject::ClassOr(..) => None,
+        }
+    }
+}
+
+/// The exception type's name that opens an `ExceptionThrown_V1` payload
+/// (UTF-16, ended by a NUL), as far as `buf` holds it.
+pub fn exception_type_name<'a>(payload: &[u8], buf: &'a mut [u16; 256]) -> &'a [u16] {
+    let mut len = 0;
+    for unit in payload.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])) {
+        if unit == 0 || len == buf.len() {
+            break;
+        }
+        buf[len] = unit;
+        len += 1;
+    }
+    &buf[..len]
+}
+
+/// Exception type names from EventPipe, numbered: a throw's tally key holds
+/// the number, so counting a throw allocates only for a type never seen.
+#[derive(Debug, Default)]
+struct ExceptionTypes {
+    numbers: HashMap<Box<[u16]>, u32, foldhash::fast::FixedState>,
+    names: Vec<String>,
 }
 
 #[derive(Debug)]
@@ -223,6 +268,7 @@ pub struct EventQueue {
     /// Seed 001: after an attach a collection may already be under way, so
     /// GC callbacks mean nothing until a `GarbageCollectionStarted` is seen.
     gc_started_seen: AtomicBool,
+    exception_types: Mutex<ExceptionTypes>,
     pub dropped: AtomicU64,
 }
 
@@ -313,6 +359,15 @@ impl OwnStack {
     }
 }
 
+/// A tally key's subject, from its subject word and [`NAMED_BIT`].
+fn subject_of(word: u64, named: u64) -> Subject {
+    if named != 0 {
+        Subject::ExceptionType(word as u32)
+    } else {
+        Subject::Class(word as ClassID)
+    }
+}
+
 fn tally_shard(thread: ThreadID) -> usize {
     // ThreadIDs are addresses of the runtime's Thread objects.
     ((thread as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 61) as usize % TALLY_SHARDS
@@ -324,34 +379,60 @@ impl EventQueue {
     /// own unwinder when `native` and it can serve (no allocation, no call
     /// into the runtime, for a stack whose code is known), else by
     /// `DoStackSnapshot`.
+    ///
+    /// `false` (and nothing counted) for a subject a tally cannot hold
+    /// ([`Subject::Text`], [`Subject::ClassOr`]).
     #[allow(clippy::too_many_arguments)]
-    pub fn count_class_event(
+    pub fn count_event(
         &self,
         info: &CorProfilerInfo,
         native: bool,
         kind: EventKind,
         thread: ThreadID,
         os_tid: u32,
-        class: ClassID,
+        subject: &Subject,
         now_ns: impl Fn() -> u64,
-    ) {
-        if native && self.count_natively(kind, thread, os_tid, class, &now_ns) {
-            return;
+    ) -> bool {
+        let Some((word, named)) = subject.tally_word() else { return false };
+        if native && self.count_natively(kind, thread, os_tid, (word, named), &now_ns) {
+            return true;
         }
         let mut stack = OwnStack::walk(info);
-        let head = [kind as u64, thread as u64, os_tid as u64, class as u64, stack.truncated as u64 * TRUNCATED_BIT];
+        let head = [kind as u64, thread as u64, os_tid as u64, word, stack.truncated as u64 * TRUNCATED_BIT | named];
         stack.with_key(head, |key| self.tally(kind, now_ns, thread, key));
+        true
     }
 
-    /// The native walker's half of [`Self::count_class_event`]; `false` if
-    /// it cannot serve (no map yet, a stack the map does not list yet).
+    /// The number of an exception type's name (UTF-16, from EventPipe).
+    pub fn exception_type(&self, name: &[u16]) -> u32 {
+        let mut types = self.exception_types.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(&number) = types.numbers.get(name) {
+            return number;
+        }
+        let number = types.names.len() as u32;
+        if types.names.len() >= MAX_EXCEPTION_TYPES {
+            return number;
+        }
+        types.names.push(String::from_utf16_lossy(name));
+        types.numbers.insert(name.into(), number);
+        number
+    }
+
+    /// The name numbered by [`Self::exception_type`].
+    pub fn exception_type_name(&self, number: u32) -> String {
+        let types = self.exception_types.lock().unwrap_or_else(|p| p.into_inner());
+        types.names.get(number as usize).cloned().unwrap_or_else(|| TOO_MANY_TYPES.to_string())
+    }
+
+    /// The native walker's half of [`Self::count_event`]; `false` if it
+    /// cannot serve (no map yet, a stack the map does not list yet).
     #[inline(never)]
     fn count_natively(
         &self,
         kind: EventKind,
         thread: ThreadID,
         os_tid: u32,
-        class: ClassID,
+        (word, named): (u64, u64),
         now_ns: impl Fn() -> u64,
     ) -> bool {
         walk_own_stack(thread as u64, KEY_HEAD, |words, walk, copy| {
@@ -365,7 +446,7 @@ impl EventQueue {
                     time_ns: now_ns(),
                     thread,
                     os_tid,
-                    subject: Subject::Class(class),
+                    subject: subject_of(word, named),
                     frames: words[KEY_HEAD..].to_vec(),
                     truncated,
                     weight: 1,
@@ -374,8 +455,8 @@ impl EventQueue {
                 });
                 return;
             }
-            let form = (truncated as u64 * TRUNCATED_BIT) | RAW_BIT | (u64::from(walk.flags) << 8);
-            words[..KEY_HEAD].copy_from_slice(&[kind as u64, thread as u64, os_tid as u64, class as u64, form]);
+            let form = (truncated as u64 * TRUNCATED_BIT) | RAW_BIT | named | (u64::from(walk.flags) << 8);
+            words[..KEY_HEAD].copy_from_slice(&[kind as u64, thread as u64, os_tid as u64, word, form]);
             self.tally(kind, now_ns, thread, words);
         })
         .is_ok()
@@ -417,7 +498,7 @@ impl EventQueue {
                 time_ns: t.first_ns,
                 thread: key[1] as ThreadID,
                 os_tid: key[2] as u32,
-                subject: Subject::Class(key[3] as ClassID),
+                subject: subject_of(key[3], key[4] & NAMED_BIT),
                 frames: key[KEY_HEAD..].to_vec(),
                 truncated: key[4] & TRUNCATED_BIT != 0,
                 weight: t.count,
@@ -546,6 +627,37 @@ mod tests {
             "ordered by first occurrence"
         );
         assert!(queue.take().is_empty());
+    }
+
+    #[test]
+    fn exception_types_from_event_pipe_are_numbered_once_and_taken_as_their_names() {
+        let utf16 = |s: &str| s.encode_utf16().collect::<Vec<u16>>();
+        let mut payload = Vec::new();
+        for u in "System.InvalidOperationException".encode_utf16().chain([0]).chain("message".encode_utf16()) {
+            payload.extend_from_slice(&u.to_le_bytes());
+        }
+        let mut buf = [0u16; 256];
+        assert_eq!(exception_type_name(&payload, &mut buf), utf16("System.InvalidOperationException").as_slice());
+        assert!(exception_type_name(&payload[..1], &mut buf).is_empty());
+        let queue = EventQueue::default();
+        let first = queue.exception_type(&utf16("System.InvalidOperationException"));
+        let second = queue.exception_type(&utf16("EventShapes.ShapeException"));
+        assert_ne!(first, second);
+        assert_eq!(queue.exception_type(&utf16("System.InvalidOperationException")), first);
+        assert_eq!(queue.exception_type_name(second), "EventShapes.ShapeException");
+        // A tally of a named type is taken back as that type, apart from a
+        // class with the same number.
+        let named = [EventKind::Exceptions as u64, 0x10, 7, u64::from(second), NAMED_BIT, 3, 2, 1];
+        queue.tally(EventKind::Exceptions, || 1, 0x10, &named);
+        queue.tally(
+            EventKind::Exceptions,
+            || 2,
+            0x10,
+            &key(EventKind::Exceptions, 0x10, u64::from(second), &[3, 2, 1]),
+        );
+        let events = queue.take();
+        assert_eq!(events[0].subject, Subject::ExceptionType(second));
+        assert_eq!(events[1].subject, Subject::Class(second as ClassID));
     }
 
     #[test]

@@ -566,6 +566,7 @@ impl SamplerLoop {
             let leaf = match &event.subject {
                 Subject::Class(class) => self.recorder.names.class_name(*class),
                 Subject::Text(text) => text.clone(),
+                Subject::ExceptionType(number) => self.shared.events.exception_type_name(*number),
                 Subject::ClassOr(class, fallback) => {
                     let name = self.recorder.names.class_name(*class);
                     if name.starts_with('[') {
