@@ -398,7 +398,7 @@ impl EventQueue {
             return true;
         }
         let mut stack = OwnStack::walk(info);
-        let head = [kind as u64, thread as u64, os_tid as u64, word, stack.truncated as u64 * TRUNCATED_BIT | named];
+        let head = [kind as u64, thread as u64, os_tid as u64, word, (stack.truncated as u64 * TRUNCATED_BIT) | named];
         stack.with_key(head, |key| self.tally(kind, now_ns, thread, key));
         true
     }
