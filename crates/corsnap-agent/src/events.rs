@@ -142,6 +142,38 @@ pub fn exception_type_name<'a>(payload: &[u8], buf: &'a mut [u16; 256]) -> &'a [
     &buf[..len]
 }
 
+/// The runtime's event name for a type (`Ns.Box`1[System.Int32]`,
+/// `Ns.Box`1[System.Int32[]]`) in the form corsnap names generics in
+/// (`Ns.Box<System.Int32>`, `Ns.Box<System.Int32[]>`).
+fn readable_type_name(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    // For each open bracket: whether it opened type arguments.
+    let mut opened_arguments = Vec::new();
+    let mut chars = name.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '`' if chars.peek().is_some_and(char::is_ascii_digit) => {
+                while chars.peek().is_some_and(char::is_ascii_digit) {
+                    chars.next();
+                }
+                if chars.peek() == Some(&'[') {
+                    chars.next();
+                    out.push('<');
+                    opened_arguments.push(true);
+                }
+            }
+            '[' => {
+                out.push('[');
+                opened_arguments.push(false);
+            }
+            ']' => out.push(if opened_arguments.pop() == Some(true) { '>' } else { ']' }),
+            ',' if opened_arguments.last() == Some(&true) => out.push_str(", "),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// Exception type names from EventPipe, numbered: a throw's tally key holds
 /// the number, so counting a throw allocates only for a type never seen.
 #[derive(Debug, Default)]
@@ -413,7 +445,7 @@ impl EventQueue {
         if types.names.len() >= MAX_EXCEPTION_TYPES {
             return number;
         }
-        types.names.push(String::from_utf16_lossy(name));
+        types.names.push(readable_type_name(&String::from_utf16_lossy(name)));
         types.numbers.insert(name.into(), number);
         number
     }
@@ -627,6 +659,22 @@ mod tests {
             "ordered by first occurrence"
         );
         assert!(queue.take().is_empty());
+    }
+
+    #[test]
+    fn generic_exception_types_read_as_corsnap_names_generics() {
+        for (event, readable) in [
+            ("System.InvalidOperationException", "System.InvalidOperationException"),
+            ("Ns.Box`1[System.Int32]", "Ns.Box<System.Int32>"),
+            ("Ns.Pair`2[System.String,System.Int32[]]", "Ns.Pair<System.String, System.Int32[]>"),
+            (
+                "Ns.Box`1[System.Collections.Generic.List`1[System.Int32]]",
+                "Ns.Box<System.Collections.Generic.List<System.Int32>>",
+            ),
+            ("System.Int32[,]", "System.Int32[,]"),
+        ] {
+            assert_eq!(readable_type_name(event), readable, "{event}");
+        }
     }
 
     #[test]
