@@ -79,19 +79,11 @@ fn obey(running: &Running, command: Command) -> Option<String> {
             if on {
                 shared.exceptions_seen.reset();
             }
-            // From EventPipe: the mask lets sessions deliver, then the
-            // session starts; or the session stops, then the mask.
-            let changed = if !shared.exceptions_from_event_pipe {
-                shared.apply_event_mask().map_err(|e| e.to_string())
-            } else if on {
-                shared
-                    .apply_event_mask()
-                    .map_err(|e| e.to_string())
-                    .and_then(|()| crate::watch_exception_events(shared, on))
-            } else {
-                crate::watch_exception_events(shared, on)
-                    .and_then(|()| shared.apply_event_mask().map_err(|e| e.to_string()))
-            };
+            // The mask lets a session deliver before it starts, and is taken
+            // back after it stops.
+            let mask = || shared.apply_event_mask().map_err(|e| e.to_string());
+            let session = || crate::watch_exception_events(shared, on);
+            let changed = if on { mask().and_then(|()| session()) } else { session().and_then(|()| mask()) };
             let text = match changed {
                 Ok(()) if on => "watching exceptions".to_string(),
                 Ok(()) => {

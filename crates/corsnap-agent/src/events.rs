@@ -37,9 +37,12 @@ const RAW_BIT: u64 = 2;
 /// In a tally key's last head word: the subject word is an exception type
 /// name's number ([`EventQueue::exception_type`]), not a `ClassID`.
 const NAMED_BIT: u64 = 4;
-/// Distinct exception type names kept; past them a throw's type reads as
-/// [`TOO_MANY_TYPES`].
+/// Distinct exception type names kept per tally shard; past them a throw's
+/// type reads as [`TOO_MANY_TYPES`].
 const MAX_EXCEPTION_TYPES: usize = 65_536;
+/// An exception type's number: its shard above these bits, its place in the
+/// shard's names below.
+const TYPE_SHARD_SHIFT: u32 = 24;
 const TOO_MANY_TYPES: &str = "[exception type beyond the first 65,536]";
 // The native walker hands its frames after room for the key's head.
 const _: () = assert!(KEY_HEAD <= corsnap_abi::event_walk::HEAD_ROOM);
@@ -176,8 +179,15 @@ fn readable_type_name(name: &str) -> String {
 
 /// Exception type names from EventPipe, numbered: a throw's tally key holds
 /// the number, so counting a throw allocates only for a type never seen.
+/// One table per tally shard, picked by thread as the tally's are, so
+/// threads throwing at once rarely meet on its lock either (a type thrown on
+/// threads of two shards is numbered in each).
 #[derive(Debug, Default)]
-struct ExceptionTypes {
+#[repr(align(128))]
+struct ExceptionTypes(Mutex<TypeNumbers>);
+
+#[derive(Debug, Default)]
+struct TypeNumbers {
     numbers: HashMap<Box<[u16]>, u32, foldhash::fast::FixedState>,
     names: Vec<String>,
 }
@@ -300,7 +310,7 @@ pub struct EventQueue {
     /// Seed 001: after an attach a collection may already be under way, so
     /// GC callbacks mean nothing until a `GarbageCollectionStarted` is seen.
     gc_started_seen: AtomicBool,
-    exception_types: Mutex<ExceptionTypes>,
+    exception_types: [ExceptionTypes; TALLY_SHARDS],
     pub dropped: AtomicU64,
 }
 
@@ -435,13 +445,15 @@ impl EventQueue {
         true
     }
 
-    /// The number of an exception type's name (UTF-16, from EventPipe).
-    pub fn exception_type(&self, name: &[u16]) -> u32 {
-        let mut types = self.exception_types.lock().unwrap_or_else(|p| p.into_inner());
+    /// The number of an exception type's name (UTF-16, from EventPipe)
+    /// thrown on `thread`.
+    pub fn exception_type(&self, thread: ThreadID, name: &[u16]) -> u32 {
+        let shard = tally_shard(thread);
+        let mut types = self.exception_types[shard].0.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(&number) = types.numbers.get(name) {
             return number;
         }
-        let number = types.names.len() as u32;
+        let number = ((shard as u32) << TYPE_SHARD_SHIFT) | types.names.len() as u32;
         if types.names.len() >= MAX_EXCEPTION_TYPES {
             return number;
         }
@@ -452,8 +464,12 @@ impl EventQueue {
 
     /// The name numbered by [`Self::exception_type`].
     pub fn exception_type_name(&self, number: u32) -> String {
-        let types = self.exception_types.lock().unwrap_or_else(|p| p.into_inner());
-        types.names.get(number as usize).cloned().unwrap_or_else(|| TOO_MANY_TYPES.to_string())
+        let Some(shard) = self.exception_types.get((number >> TYPE_SHARD_SHIFT) as usize) else {
+            return TOO_MANY_TYPES.to_string();
+        };
+        let types = shard.0.lock().unwrap_or_else(|p| p.into_inner());
+        let place = (number & ((1 << TYPE_SHARD_SHIFT) - 1)) as usize;
+        types.names.get(place).cloned().unwrap_or_else(|| TOO_MANY_TYPES.to_string())
     }
 
     /// The native walker's half of [`Self::count_event`]; `false` if it
@@ -688,10 +704,10 @@ mod tests {
         assert_eq!(exception_type_name(&payload, &mut buf), utf16("System.InvalidOperationException").as_slice());
         assert!(exception_type_name(&payload[..1], &mut buf).is_empty());
         let queue = EventQueue::default();
-        let first = queue.exception_type(&utf16("System.InvalidOperationException"));
-        let second = queue.exception_type(&utf16("EventShapes.ShapeException"));
+        let first = queue.exception_type(0x10, &utf16("System.InvalidOperationException"));
+        let second = queue.exception_type(0x10, &utf16("EventShapes.ShapeException"));
         assert_ne!(first, second);
-        assert_eq!(queue.exception_type(&utf16("System.InvalidOperationException")), first);
+        assert_eq!(queue.exception_type(0x10, &utf16("System.InvalidOperationException")), first);
         assert_eq!(queue.exception_type_name(second), "EventShapes.ShapeException");
         // A tally of a named type is taken back as that type, apart from a
         // class with the same number.
