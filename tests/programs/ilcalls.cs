@@ -14,7 +14,8 @@
 // does. A call is `call`, `callvirt`, `newobj`, `ldftn`, `ldvirtftn` or
 // `jmp` to a method; `isinst` and `castclass` are calls the JIT makes to
 // the runtime's cast helpers, printed as the callees `[isinst]` and
-// `[castclass]`.
+// `[castclass]`. A `callvirt` to a method that can be overridden is also
+// printed as `[virtual]Name`: the call may land in any override.
 #nullable enable
 using System;
 using System.Collections.Generic;
@@ -93,6 +94,9 @@ static class IlCalls
                 MethodBase? callee = null;
                 try { callee = m.Module.ResolveMethod(BitConverter.ToInt32(il, pc), typeArgs, methodArgs); } catch { }
                 if (callee != null) yield return MethodRaw(callee);
+                // A virtual or interface call may land in any override.
+                if (callee != null && op == OpCodes.Callvirt && callee.IsVirtual && !callee.IsFinal)
+                    yield return "[virtual]" + callee.Name;
             }
             else if (op == OpCodes.Isinst) yield return "[isinst]";
             else if (op == OpCodes.Castclass) yield return "[castclass]";

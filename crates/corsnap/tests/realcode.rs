@@ -445,9 +445,10 @@ enum Match {
 /// referee stack showing it. A pair whose caller's IL calls the callee is
 /// a call the program makes; a walker that invents or loses frames makes
 /// pairs no IL explains (a lost frame between two methods is explained only
-/// where the outer one also calls the inner one itself). Calls through a
-/// virtual method, an interface or a delegate are not resolved here: those
-/// pairs stay with the referee.
+/// where the outer one also calls the inner one itself). A call through a
+/// virtual or interface method explains a callee of the same method name
+/// (any override may run); calls through delegates are not resolved here:
+/// those pairs stay with the referee.
 struct IlCalls {
     calls: HashSet<(String, String)>,
 }
@@ -455,7 +456,7 @@ struct IlCalls {
 impl IlCalls {
     /// The calls made by the methods named like the callers of `pairs`.
     fn of(name: &str, runtime: Runtime, pairs: &[(&str, &str)]) -> IlCalls {
-        let mut wanted: Vec<&str> = pairs.iter().map(|(caller, _)| IlCalls::last_part(caller)).collect();
+        let mut wanted: Vec<String> = pairs.iter().map(|(caller, _)| IlCalls::last_part(caller)).collect();
         wanted.sort_unstable();
         wanted.dedup();
         let mut calls = HashSet::new();
@@ -496,21 +497,40 @@ impl IlCalls {
     /// The part of a frame's name that names the method in metadata (or
     /// its compiler-made type): `TryParseDecimal` of
     /// `System.Number.TryParseDecimal<TChar>`, `Main` of `T.Main.lambda#0`.
-    fn last_part(frame: &str) -> &str {
-        let frame = IlCalls::unmarked(frame);
-        let frame = frame.split('<').next().unwrap_or(frame);
+    fn last_part(frame: &str) -> String {
+        let frame = IlCalls::without_generics(IlCalls::unmarked(frame));
         let mut parts = frame.rsplit('.').filter(|p| !p.is_empty() && !p.starts_with("lambda#"));
-        parts.next().unwrap_or(frame)
+        parts.next().unwrap_or_default().to_string()
     }
 
-    /// Whether the caller's IL calls the callee: by name, or a cast the JIT
+    /// A name without its generic parameters (`A<T>+B<U>.M<V>`: `A+B.M`).
+    fn without_generics(name: &str) -> String {
+        let mut depth = 0usize;
+        name.chars()
+            .filter(|&c| {
+                match c {
+                    '<' => depth += 1,
+                    '>' => depth = depth.saturating_sub(1),
+                    _ => return depth == 0,
+                }
+                false
+            })
+            .collect()
+    }
+
+    /// Whether the caller's IL calls the callee: by name, through a virtual
+    /// or interface method of the callee's method name, or a cast the JIT
     /// turns into a call to the runtime's cast helpers.
     fn explains(&self, (caller, callee): (&str, &str)) -> bool {
         let (caller, callee) = (IlCalls::unmarked(caller).to_string(), IlCalls::unmarked(callee));
-        let cast = |op: &str| self.calls.contains(&(caller.clone(), op.to_string()));
+        let calls_op = |op: &str| self.calls.contains(&(caller.clone(), op.to_string()));
+        // The method's own name: an explicit interface implementation's
+        // (`Ns.Shape.Ns.IShape.Area`) ends in the interface method's.
+        let method = IlCalls::last_part(callee);
         self.calls.contains(&(caller.clone(), callee.to_string()))
-            || (callee.starts_with("System.Runtime.CompilerServices.CastHelpers.IsInstanceOf") && cast("[isinst]"))
-            || (callee.starts_with("System.Runtime.CompilerServices.CastHelpers.ChkCast") && cast("[castclass]"))
+            || calls_op(&format!("[virtual]{method}"))
+            || (callee.starts_with("System.Runtime.CompilerServices.CastHelpers.IsInstanceOf") && calls_op("[isinst]"))
+            || (callee.starts_with("System.Runtime.CompilerServices.CastHelpers.ChkCast") && calls_op("[castclass]"))
     }
 }
 
@@ -695,6 +715,7 @@ fn the_ils_calls_explain_only_the_calls_it_makes() {
         calls: [
             ("System.Number.TryParseDecimal<TChar>", "System.Number.TryStringToNumber<TChar>"),
             ("Shop.Orders.Handle", "[isinst]"),
+            ("Shop.Orders.Total", "[virtual]Area"),
         ]
         .into_iter()
         .map(|(a, b)| (IlCalls::readable(a), IlCalls::readable(b)))
@@ -705,10 +726,14 @@ fn the_ils_calls_explain_only_the_calls_it_makes() {
     assert!(!il.explains(("System.Number.ParseDecimal<TChar>", "System.Number.TryStringToNumber<TChar>")));
     assert!(il.explains(("Shop.Orders.Handle", "System.Runtime.CompilerServices.CastHelpers.IsInstanceOfClass")));
     assert!(!il.explains(("Shop.Orders.Handle", "System.Runtime.CompilerServices.CastHelpers.ChkCastAny")));
+    assert!(il.explains(("Shop.Orders.Total", "Shop.Circle.Area")));
+    assert!(!il.explains(("Shop.Orders.Total", "Shop.Circle.Perimeter")));
     assert_eq!(IlCalls::readable("Shop.Orders+<HandleAsync>d__4.MoveNext"), "Shop.Orders.HandleAsync");
     assert_eq!(IlCalls::last_part("System.Number.TryParseDecimal<TChar>"), "TryParseDecimal");
     assert_eq!(IlCalls::last_part("Faults.Import.Program.Main.lambda#0"), "Main");
     assert_eq!(IlCalls::last_part("Faults.Import.Program.WorkAsync [async]"), "WorkAsync");
+    assert_eq!(IlCalls::last_part("System.Linq.Enumerable+EnumerableSorter<TElement>.Sort"), "Sort");
+    assert_eq!(IlCalls::last_part("A<T>+B<U, V>.M<W>"), "M");
     assert_eq!(
         IlCalls::last_part("System.Globalization.NumberFormatInfo.GetInstance.GetProviderNonNull"),
         "GetProviderNonNull"
