@@ -308,10 +308,11 @@ fn threads_that_block_often_move_to_timers_and_shares_stay_right() {
         let diff = (shown[method] - truth[key]).abs() * 100.0;
         assert!(
             diff <= 5.0,
-            "{method}: measured {:.1}%, shown {:.1}%\n{}",
+            "{method}: measured {:.1}%, shown {:.1}%\n{}\nprogram:\n{stdout}\ncorsnap:\n{stderr}\nclocks:\n{}",
             truth[key] * 100.0,
             shown[method] * 100.0,
-            describe(&stacks)
+            describe(&stacks),
+            moved.join("\n")
         );
     }
 }
