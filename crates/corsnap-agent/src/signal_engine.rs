@@ -133,6 +133,43 @@ struct RawOwned {
     stack: Option<OwnedStackCopy>,
 }
 
+/// One sample's time in the handler, and what might have made it long.
+#[derive(Debug, Clone, Copy)]
+struct HandlerTime {
+    ns: u64,
+    /// The walk met unknown code (and the handler copied the stack).
+    unknown_code: bool,
+    /// Taken after the first second of sampling.
+    settled: bool,
+}
+
+impl HandlerTime {
+    /// What sets the handler's p99: the median and p99 of all samples and
+    /// of those after the first second, and what the slowest 1% were.
+    fn describe(times: &[HandlerTime]) -> String {
+        let pct = |mut ns: Vec<u64>, p: usize| {
+            ns.sort_unstable();
+            ns.get(ns.len().saturating_sub(1) * p / 100).copied().unwrap_or(0)
+        };
+        let all: Vec<u64> = times.iter().map(|t| t.ns).collect();
+        let settled: Vec<u64> = times.iter().filter(|t| t.settled).map(|t| t.ns).collect();
+        let p99 = pct(all.clone(), 99);
+        let slow: Vec<&HandlerTime> = times.iter().filter(|t| t.ns >= p99).collect();
+        format!(
+            "handler over the last {} samples: median {} ns, p99 {p99} ns; after the first second ({}): median {} ns, \
+             p99 {} ns; of the {} at or over the p99, {} met unknown code (a stack copy), {} in the first second",
+            times.len(),
+            pct(all, 50),
+            settled.len(),
+            pct(settled.clone(), 50),
+            pct(settled, 99),
+            slow.len(),
+            slow.iter().filter(|t| t.unknown_code).count(),
+            slow.iter().filter(|t| !t.settled).count(),
+        )
+    }
+}
+
 /// A `signal::StackCopy` taken out of its ring: registers, words, splice.
 type OwnedStackCopy = (corsnap_unwind::Regs, Vec<u64>, Option<(usize, u64)>);
 
@@ -204,7 +241,8 @@ pub struct SignalEngine {
     debug_walks: bool,
     debug_every_walk: bool,
     scratch: Vec<u64>,
-    handler_times: Vec<u64>,
+    /// The handler's time of the last 4096 samples, and what they were.
+    handler_times: Vec<HandlerTime>,
     handler_next: usize,
     /// Samples of threads that exited, drained before their slots went.
     leftovers: Vec<Sample>,
@@ -502,7 +540,7 @@ impl SignalEngine {
         }
         stats.clock_switches = self.clock_switches;
         stats.cache_resets += self.resets;
-        let mut times = self.handler_times.clone();
+        let mut times: Vec<u64> = self.handler_times.iter().map(|t| t.ns).collect();
         times.sort_unstable();
         let pct = |p: usize| times.get((times.len().saturating_sub(1)) * p / 100).copied().unwrap_or(0);
         stats.handler_p50_ns = pct(50);
@@ -539,6 +577,7 @@ impl SignalEngine {
                 log::write(format_args!("signal handlers still running after 2 s; their buffers are left allocated"));
             }
             let c = signal::counters();
+            log::write(format_args!("signal engine stopped: {}", HandlerTime::describe(&self.handler_times)));
             log::write(format_args!(
                 "signal engine stopped: {} samples ({} walked again from their stack copy, in {} walks); {} JIT bodies ({} as \
                  they were compiled, in {:?}, {} found by the runtime's code map, {} map answers refused), {} stubs and {} \
@@ -739,10 +778,15 @@ impl SignalEngine {
             return None;
         }
         self.samples += 1;
+        let time = HandlerTime {
+            ns: handler_ns,
+            unknown_code: walk_flags & flags::UNKNOWN_CODE != 0,
+            settled: time_ns >= self.settled_ns,
+        };
         if self.handler_times.len() < 4096 {
-            self.handler_times.push(handler_ns);
+            self.handler_times.push(time);
         } else {
-            self.handler_times[self.handler_next] = handler_ns;
+            self.handler_times[self.handler_next] = time;
             self.handler_next = (self.handler_next + 1) % 4096;
         }
         let unknown_code = walk_flags & flags::UNKNOWN_CODE != 0;
