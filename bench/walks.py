@@ -22,7 +22,7 @@ gives both side by side: on a shared VM only figures from one run compare.
 
     python3 bench/walks.py [--rounds 5] [--seconds 5] [--runtimes 10,8] [--rate 100] [--baseline PATH]
 """
-import argparse, os, random, re, statistics, subprocess, tempfile
+import argparse, os, random, re, shutil, statistics, subprocess, tempfile
 
 from common import CORSNAP, OUT, ROOT, prepare
 
@@ -57,12 +57,27 @@ def main():
         order = [(b, binary, *run) for b, binary in builds for run in runs]
         random.shuffle(order)
         for build, binary, program, rt, dotnet, dll in order:
-            cmd = [binary, "record", "--stats", "-r", str(args.rate), "-f", "collapsed",
+            log = os.path.join(scratch, "agent.log")
+            if os.path.exists(log):
+                os.remove(log)
+            cmd = [binary, "record", "--stats", "-r", str(args.rate), "-f", "collapsed", "--agent-log", log,
                    "-o", os.path.join(scratch, "p.txt"), "--", dotnet, dll, str(args.seconds)]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             stats, samples = STATS.search(done.stderr), SAMPLES.search(done.stderr)
             if done.returncode != 0 or not stats or not samples:
                 raise SystemExit(f"{program} .NET {rt}: no statistics\n{done.stderr}")
+            # A run with incomplete stacks keeps its profile and statistics
+            # (in CI, pool.cs .NET 8 has had rare runs with many; not
+            # reproduced on demand).
+            if int(stats[3]) > 0:
+                kept = os.path.join(OUT, f"walks-incomplete-{program}-net{rt}-{build.replace(' ', '-')}-{round_ + 1}")
+                os.makedirs(kept, exist_ok=True)
+                shutil.copy(os.path.join(scratch, "p.txt"), os.path.join(kept, "profile.txt"))
+                if os.path.exists(log):
+                    shutil.copy(log, os.path.join(kept, "agent.log"))
+                with open(os.path.join(kept, "stderr.txt"), "w") as f:
+                    f.write(done.stderr)
+                print(f"  {program} .NET {rt} ({build}): {stats[3]} stacks incomplete; kept in {kept}", flush=True)
             # An older build (`--baseline`) does not count its copies.
             copies = (int(stats[5]), int(stats[6])) if stats[5] is not None else None
             results[(build, program, rt)].append((float(stats[1]), float(stats[2]), int(stats[3]), int(stats[4]),

@@ -24,7 +24,7 @@
 //!    alone, which in glibc reads the thread pointer (`%fs`) and takes no
 //!    lock (0.2 to 0.3 µs less a sample here than the system call). Then
 //!    the sample's weight: a perf event's period (one store marks its
-//!    records read; every 16th sample an `ioctl` sets a new period), or a
+//!    records read; every 64th sample an `ioctl` sets a new period), or a
 //!    periodic timer's period times
 //!    1 + `si_overrun` (every 16th sample `clock_gettime` of the thread's
 //!    CPU clock and `timer_settime` with a new period, both on POSIX's
@@ -458,11 +458,12 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
         // spread around the interval (each thread starts with its own), so a
         // program whose work repeats at the sampling period is not always
         // seen at the same point of it; a new period costs an ioctl of
-        // ~10 µs on some kernels, so it changes every PERIOD_CHANGE_EVERY
-        // samples. The overflow records are marked read with one store.
+        // ~10 µs on some kernels, so it changes every
+        // PERF_PERIOD_CHANGE_EVERY samples. The overflow records are marked
+        // read with one store.
         let elapsed = slot.perf_period_ns.load(Ordering::Relaxed);
         walking.samples += 1;
-        if walking.samples % PERIOD_CHANGE_EVERY == 0 {
+        if walking.samples % PERF_PERIOD_CHANGE_EVERY == 0 {
             let period = dithered_period(&mut walking.rng, slot.interval_ns.load(Ordering::Relaxed));
             slot.perf_period_ns.store(period, Ordering::Relaxed);
             set_perf_period(fd, period);

@@ -186,8 +186,19 @@ pub(super) const CLOCK_PERF: u8 = 0;
 /// [`ThreadSlot::clock`]: a POSIX CPU timer samples the thread.
 pub(super) const CLOCK_TIMER: u8 = 1;
 
-/// Samples between changes of a perf event's or a timer's period.
+/// Samples between changes of a timer's period (a `timer_settime`, 1 to 2
+/// µs).
 pub(super) const PERIOD_CHANGE_EVERY: u64 = 16;
+
+/// Samples between changes of a perf event's period. The change is an
+/// `ioctl` (`PERF_EVENT_IOC_PERIOD`) that stops and restarts the event's
+/// timer, 10 µs or more in this VM: every 16th sample, it was a fifth to a
+/// third of the samples between the handler's p90 and p99 (pool.cs and
+/// taskfaults.cs, .NET 10). Each thread starts at a period of its own, and
+/// a new one every 64 samples still keeps a program whose work repeats at
+/// the period from being seen at the same point of it for long (0.64 s at
+/// 100 Hz).
+pub(super) const PERF_PERIOD_CHANGE_EVERY: u64 = 64;
 
 /// A period drawn uniformly from 0.75 to 1.25 times the interval (xorshift).
 pub(super) fn dithered_period(rng: &mut u64, interval_ns: u64) -> u64 {
