@@ -44,6 +44,12 @@ fn run(running: Arc<Running>, mut socket: UnixStream) {
                 shared.post(notice(Severity::Warning, format!("the agent rejected a malformed command ({e})")));
             }
             Ok(None) => break "corsnap went away".to_string(),
+            // A peer that closes with our samples still unread in its
+            // socket resets the connection (AF_UNIX gives the survivor
+            // ECONNRESET, not an end of file): a killed CLI, under load.
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe) => {
+                break format!("corsnap went away ({e})")
+            }
             Err(e) => break format!("the connection to corsnap failed ({e})"),
         }
     };
