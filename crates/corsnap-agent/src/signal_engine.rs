@@ -577,7 +577,7 @@ impl SignalEngine {
                 log::write(format_args!("signal handlers still running after 2 s; their buffers are left allocated"));
             }
             let c = signal::counters();
-            log::write(format_args!("signal engine stopped: {}", HandlerTime::describe(&self.handler_times)));
+            log::write(format_args!("signal handler at the end: {}", HandlerTime::describe(&self.handler_times)));
             log::write(format_args!(
                 "signal engine stopped: {} samples ({} walked again from their stack copy, in {} walks); {} JIT bodies ({} as \
                  they were compiled, in {:?}, {} found by the runtime's code map, {} map answers refused), {} stubs and {} \
