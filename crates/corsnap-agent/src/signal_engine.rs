@@ -133,12 +133,16 @@ struct RawOwned {
     stack: Option<OwnedStackCopy>,
 }
 
+/// An agent-side walk flag: the sample came with a stack copy (the handler
+/// met unknown code and copied the stack), whatever its walk again found.
+const COPIED: u32 = 1 << 31;
+
 /// One sample's time in the handler, and what might have made it long.
 #[derive(Debug, Clone, Copy)]
 struct HandlerTime {
     ns: u64,
-    /// The walk met unknown code (and the handler copied the stack).
-    unknown_code: bool,
+    /// The handler met unknown code and copied the stack.
+    copied: bool,
     /// Taken after the first second of sampling.
     settled: bool,
 }
@@ -157,14 +161,14 @@ impl HandlerTime {
         let slow: Vec<&HandlerTime> = times.iter().filter(|t| t.ns >= p99).collect();
         format!(
             "handler over the last {} samples: median {} ns, p99 {p99} ns; after the first second ({}): median {} ns, \
-             p99 {} ns; of the {} at or over the p99, {} met unknown code (a stack copy), {} in the first second",
+             p99 {} ns; of the {} at or over the p99, {} met unknown code and copied the stack, {} in the first second",
             times.len(),
             pct(all, 50),
             settled.len(),
             pct(settled.clone(), 50),
             pct(settled, 99),
             slow.len(),
-            slow.iter().filter(|t| t.unknown_code).count(),
+            slow.iter().filter(|t| t.copied).count(),
             slow.iter().filter(|t| !t.settled).count(),
         )
     }
@@ -638,6 +642,7 @@ impl SignalEngine {
                 if let Some((regs, words, splice)) = r.stack.take() {
                     self.walk_again(&mut r, signal::StackCopy { regs, words: &words, splice });
                 }
+                r.flags |= COPIED;
                 let requested = r.flags & signal::REQUESTED != 0;
                 if let Some(sample) = self.resolve(tid, r.weight_ns, r.time_ns, r.handler_ns, r.flags, &r.frames) {
                     if requested {
@@ -780,7 +785,7 @@ impl SignalEngine {
         self.samples += 1;
         let time = HandlerTime {
             ns: handler_ns,
-            unknown_code: walk_flags & flags::UNKNOWN_CODE != 0,
+            copied: walk_flags & COPIED != 0,
             settled: time_ns >= self.settled_ns,
         };
         if self.handler_times.len() < 4096 {

@@ -118,6 +118,9 @@ mod tests {
             }
         }
         writer.join().unwrap();
-        assert!(seen > 0);
+        // On a loaded machine the writer may finish before this thread ran
+        // at all (CI: `seen` was 0). With no write in progress, a read must
+        // succeed and see the last write whole.
+        assert_eq!(table.read(0), Some([199_999; 3]), "after {seen} reads during the writes");
     }
 }
