@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 use corsnap_abi::process::LoadedObject;
-use corsnap_unwind::process::{native_module, LoadedElf};
+use corsnap_unwind::process::{native_module_without_table, LoadedElf};
 use corsnap_unwind::NativeModule;
 
 /// One cache for the sampler thread's walkers.
@@ -26,23 +26,22 @@ impl NativeModules {
         Rc::new(RefCell::new(NativeModules::default()))
     }
 
-    /// The modules of `objects`, each read the first time any walker met it.
-    pub(crate) fn modules_of(&mut self, objects: &[LoadedObject]) -> Vec<NativeModule> {
+    /// The modules of `objects`, each read the first time any walker met it,
+    /// with their row tables compiled (`tables`), or as they are: a module
+    /// read without its table gets it the first time it is asked for with.
+    pub(crate) fn modules_of(&mut self, objects: &[LoadedObject], tables: bool) -> Vec<NativeModule> {
         objects
             .iter()
             .filter_map(|o| {
-                self.cache
-                    .entry((o.name.clone(), o.bias))
-                    .or_insert_with(|| {
-                        let elf = LoadedElf {
-                            name: &o.name,
-                            bias: o.bias,
-                            segments: &o.segments,
-                            eh_frame_hdr: o.eh_frame_hdr,
-                        };
-                        native_module(&elf, corsnap_abi::process::read_own_bytes)
-                    })
-                    .clone()
+                let entry = self.cache.entry((o.name.clone(), o.bias)).or_insert_with(|| {
+                    let elf =
+                        LoadedElf { name: &o.name, bias: o.bias, segments: &o.segments, eh_frame_hdr: o.eh_frame_hdr };
+                    native_module_without_table(&elf, corsnap_abi::process::read_own_bytes)
+                });
+                if tables && entry.as_ref().is_some_and(NativeModule::table_pending) {
+                    *entry = entry.take().map(NativeModule::with_table);
+                }
+                entry.clone()
             })
             .collect()
     }

@@ -783,11 +783,8 @@ impl SignalEngine {
             return None;
         }
         self.samples += 1;
-        let time = HandlerTime {
-            ns: handler_ns,
-            copied: walk_flags & COPIED != 0,
-            settled: time_ns >= self.settled_ns,
-        };
+        let time =
+            HandlerTime { ns: handler_ns, copied: walk_flags & COPIED != 0, settled: time_ns >= self.settled_ns };
         if self.handler_times.len() < 4096 {
             self.handler_times.push(time);
         } else {
@@ -1127,7 +1124,7 @@ impl SignalEngine {
                 }
             }
         }
-        let natives = self.native_modules.borrow_mut().modules_of(&objects);
+        let natives = self.native_modules.borrow_mut().modules_of(&objects, true);
         log::write(format_args!(
             "native modules: {} (read in {:?}; row tables {} KiB)",
             natives.len(),

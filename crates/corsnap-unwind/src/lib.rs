@@ -307,6 +307,18 @@ pub struct NativeModule {
     module: Module<Bytes>,
     /// Its CFI rows by address, for leaves (see [`native_table`]).
     table: Option<Arc<NativeTable>>,
+    /// What the table is compiled from, while it is not yet (see
+    /// [`NativeModule::without_table`]).
+    table_inputs: Option<TableInputs>,
+}
+
+/// `.eh_frame`, `.eh_frame_hdr` (start and bytes each) and `.text`: what a
+/// module's row table is compiled from.
+#[derive(Clone)]
+struct TableInputs {
+    eh_frame: (u64, Bytes),
+    eh_frame_hdr: (u64, Bytes),
+    text: Range<u64>,
 }
 
 impl std::fmt::Debug for NativeModule {
@@ -329,10 +341,20 @@ impl NativeModule {
     /// `code`: the executable mapping(s) of the module; `bias`: the load
     /// bias (actual address minus stated address).
     pub fn new(name: String, code: Range<u64>, bias: u64, sections: ElfSections) -> NativeModule {
-        let table = match (&sections.text, &sections.eh_frame, &sections.eh_frame_hdr) {
-            (Some(text), Some((eh_frame, bytes)), Some((hdr, hdr_bytes))) => {
-                NativeTable::build((eh_frame.start, bytes), (hdr.start, hdr_bytes), text.clone(), bias).map(Arc::new)
-            }
+        NativeModule::without_table(name, code, bias, sections).with_table()
+    }
+
+    /// [`NativeModule::new`] without its row table, which takes most of the
+    /// time (libcoreclr's: tens of milliseconds): walks step its frames by
+    /// framehop alone, which is slower a frame but as right, until
+    /// [`NativeModule::with_table`].
+    pub fn without_table(name: String, code: Range<u64>, bias: u64, sections: ElfSections) -> NativeModule {
+        let table_inputs = match (&sections.text, &sections.eh_frame, &sections.eh_frame_hdr) {
+            (Some(text), Some((eh_frame, bytes)), Some((hdr, hdr_bytes))) => Some(TableInputs {
+                eh_frame: (eh_frame.start, bytes.clone()),
+                eh_frame_hdr: (hdr.start, hdr_bytes.clone()),
+                text: text.clone(),
+            }),
             _ => None,
         };
         let info = ExplicitModuleSectionInfo {
@@ -346,7 +368,23 @@ impl NativeModule {
             ..Default::default()
         };
         let module = Module::new(name.clone(), code.clone(), bias, info);
-        NativeModule { name, code, bias, module, table }
+        NativeModule { name, code, bias, module, table: None, table_inputs }
+    }
+
+    /// The module with its row table compiled (the same module if it has
+    /// one, or has nothing to compile it from).
+    pub fn with_table(mut self) -> NativeModule {
+        if let Some(inputs) = self.table_inputs.take() {
+            let (eh_frame, hdr) = (&inputs.eh_frame, &inputs.eh_frame_hdr);
+            self.table =
+                NativeTable::build((eh_frame.0, &eh_frame.1), (hdr.0, &hdr.1), inputs.text, self.bias).map(Arc::new);
+        }
+        self
+    }
+
+    /// Whether its row table is still to be compiled.
+    pub fn table_pending(&self) -> bool {
+        self.table_inputs.is_some()
     }
 
     /// The size of its row table (see [`native_table`]), in bytes.

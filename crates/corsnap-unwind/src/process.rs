@@ -69,6 +69,15 @@ pub struct LoadedElf<'a> {
 /// Makes the [`NativeModule`] for `elf`, reading its unwind sections out of
 /// memory with `read(address, len)`. `None` if it has no executable segment.
 pub fn native_module(elf: &LoadedElf<'_>, read: impl Fn(u64, usize) -> Option<Vec<u8>>) -> Option<NativeModule> {
+    native_module_without_table(elf, read).map(NativeModule::with_table)
+}
+
+/// [`native_module`] with its row table left to compile later
+/// ([`NativeModule::with_table`]).
+pub fn native_module_without_table(
+    elf: &LoadedElf<'_>,
+    read: impl Fn(u64, usize) -> Option<Vec<u8>>,
+) -> Option<NativeModule> {
     let exec: Vec<&(u64, u64, bool)> = elf.segments.iter().filter(|s| s.2 && s.1 > 0).collect();
     let text_start = exec.iter().map(|s| s.0).min()?;
     let text_end = exec.iter().map(|s| s.0 + s.1).max()?;
@@ -97,7 +106,7 @@ pub fn native_module(elf: &LoadedElf<'_>, read: impl Fn(u64, usize) -> Option<Ve
         }
     }
     let code = elf.bias.wrapping_add(text_start)..elf.bias.wrapping_add(text_end);
-    Some(NativeModule::new(elf.name.to_string(), code, elf.bias, sections))
+    Some(NativeModule::without_table(elf.name.to_string(), code, elf.bias, sections))
 }
 
 /// One line of `/proc/self/maps`.
