@@ -151,27 +151,35 @@ impl HandlerTime {
     /// What sets the handler's p99: the median and p99 of all samples and
     /// of those after the first second, and what the slowest 1% were.
     fn describe(times: &[HandlerTime]) -> String {
-        let pct = |mut ns: Vec<u64>, p: usize| {
-            ns.sort_unstable();
-            ns.get(ns.len().saturating_sub(1) * p / 100).copied().unwrap_or(0)
-        };
-        let all: Vec<u64> = times.iter().map(|t| t.ns).collect();
-        let settled: Vec<u64> = times.iter().filter(|t| t.settled).map(|t| t.ns).collect();
-        let p99 = pct(all.clone(), 99);
+        let all = HandlerTime::sorted(times.iter());
+        let settled = HandlerTime::sorted(times.iter().filter(|t| t.settled));
+        let p99 = percentile(&all, 99);
         let slow: Vec<&HandlerTime> = times.iter().filter(|t| t.ns >= p99).collect();
         format!(
             "handler over the last {} samples: median {} ns, p99 {p99} ns; after the first second ({}): median {} ns, \
              p99 {} ns; of the {} at or over the p99, {} met unknown code and copied the stack, {} in the first second",
             times.len(),
-            pct(all, 50),
+            percentile(&all, 50),
             settled.len(),
-            pct(settled.clone(), 50),
-            pct(settled, 99),
+            percentile(&settled, 50),
+            percentile(&settled, 99),
             slow.len(),
             slow.iter().filter(|t| t.copied).count(),
             slow.iter().filter(|t| !t.settled).count(),
         )
     }
+
+    /// The times of `times`, sorted.
+    fn sorted<'a>(times: impl Iterator<Item = &'a HandlerTime>) -> Vec<u64> {
+        let mut ns: Vec<u64> = times.map(|t| t.ns).collect();
+        ns.sort_unstable();
+        ns
+    }
+}
+
+/// The `p`th percentile of `sorted` (0 when empty).
+fn percentile(sorted: &[u64], p: usize) -> u64 {
+    sorted.get(sorted.len().saturating_sub(1) * p / 100).copied().unwrap_or(0)
 }
 
 /// A `signal::StackCopy` taken out of its ring: registers, words, splice.
@@ -544,11 +552,9 @@ impl SignalEngine {
         }
         stats.clock_switches = self.clock_switches;
         stats.cache_resets += self.resets;
-        let mut times: Vec<u64> = self.handler_times.iter().map(|t| t.ns).collect();
-        times.sort_unstable();
-        let pct = |p: usize| times.get((times.len().saturating_sub(1)) * p / 100).copied().unwrap_or(0);
-        stats.handler_p50_ns = pct(50);
-        stats.handler_p99_ns = pct(99);
+        let times = HandlerTime::sorted(self.handler_times.iter());
+        stats.handler_p50_ns = percentile(&times, 50);
+        stats.handler_p99_ns = percentile(&times, 99);
     }
 
     /// Takes the handler out of the process (see `SignalSampler::uninstall`).

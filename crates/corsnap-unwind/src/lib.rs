@@ -340,12 +340,9 @@ pub struct ElfSections {
 impl NativeModule {
     /// `code`: the executable mapping(s) of the module; `bias`: the load
     /// bias (actual address minus stated address).
-    pub fn new(name: String, code: Range<u64>, bias: u64, sections: ElfSections) -> NativeModule {
-        NativeModule::without_table(name, code, bias, sections).with_table()
-    }
-
-    /// [`NativeModule::new`] without its row table, which takes most of the
-    /// time (libcoreclr's: tens of milliseconds): walks step its frames by
+    ///
+    /// Made without its row table, which takes most of the time
+    /// (libcoreclr's: tens of milliseconds): walks step its frames by
     /// framehop alone, which is slower a frame but as right, until
     /// [`NativeModule::with_table`].
     pub fn without_table(name: String, code: Range<u64>, bias: u64, sections: ElfSections) -> NativeModule {

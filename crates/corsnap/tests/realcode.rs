@@ -553,16 +553,16 @@ fn judge(name: &str, runtime: Runtime, signal_engine: Engine, suspend_engine: En
                 && (truth.reaches(pair.0, pair.1, 4) || truth.inlined_between(kept, i, 3)))
     };
     // The pairs the referee did not show, for the IL to explain.
-    let mut candidates: HashSet<(String, String)> = HashSet::new();
+    let mut candidates: HashSet<(&str, &str)> = HashSet::new();
     for s in &signal.stacks {
         let kept = kept_frames(s, &truth, matching);
         for (i, w) in kept.windows(2).enumerate() {
             if !referee_explains(&kept, i, (w[0], w[1])) {
-                candidates.insert((w[0].to_string(), w[1].to_string()));
+                candidates.insert((w[0], w[1]));
             }
         }
     }
-    let candidates: Vec<(&str, &str)> = candidates.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
+    let candidates: Vec<(&str, &str)> = candidates.into_iter().collect();
     let il = IlCalls::of(name, runtime, &candidates);
     let mut il_rule = 0;
     let mut il_pairs: HashMap<(&str, &str), u64> = HashMap::new();
