@@ -16,6 +16,14 @@ figures from one run, not across runs.
 
 Targets (issue 15): median at most 5 µs and p99 at most 30 µs.
 
+Each round also runs a control, `bench/programs/handler_floor.c`: a SIGPROF
+handler that does nothing but CONTROL_LOADS dependent loads (each address
+read from the last, as a walk's lookups are) from a 4 MiB buffer, on a
+thread that only spins, at the same rate. What its loads find evicted was
+evicted by the rest of the machine between two samples: on this shared VM,
+400 to 600 ns a load, so a handler that must make ten such reads one after
+another cannot take less than about 4 µs here, whatever it does with them.
+
 `--baseline PATH` runs another build's `corsnap` (its agent beside it) in
 the same rounds, each program once with either build in a fresh order, and
 gives both side by side: on a shared VM only figures from one run compare.
@@ -27,6 +35,9 @@ import argparse, os, random, re, shutil, statistics, subprocess, tempfile
 from common import CORSNAP, OUT, ROOT, prepare
 
 PROGRAMS = ["pool", "taskfaults", "asyncwork"]
+# Dependent loads a sample in the control's handler makes (see above).
+CONTROL_LOADS = [10, 30]
+CONTROL = re.compile(r"median (\d+) p99 (\d+) samples (\d+)")
 STATS = re.compile(
     r"handler median ([\d.]+) µs, p99 ([\d.]+) µs; (\d+) stacks incomplete, (\d+) through code not yet learned"
     r"(?: \(\d+ of the \d+ samples after the first second\), (\d+) with a stack copy walked again \((\d+) more)?")
@@ -51,12 +62,22 @@ def main():
             subprocess.run(["bash", f"{ROOT}/scripts/build-cs.sh", f"{ROOT}/tests/programs/{program}.cs", out, rt],
                            env=env, check=True, stdout=subprocess.DEVNULL)
             runs.append((program, rt, env[f"CORSNAP_DOTNET{rt}"], os.path.join(out, f"{program}.dll")))
+    floor = os.path.join(OUT, "handler-floor")
+    subprocess.run(["cc", "-O2", "-o", floor, f"{ROOT}/bench/programs/handler_floor.c"], check=True)
     scratch = tempfile.mkdtemp(prefix="corsnap-walks-bench-")
     results = {(b, p, rt): [] for b, _ in builds for p, rt, _, _ in runs}
+    controls = {loads: [] for loads in CONTROL_LOADS}
     for round_ in range(args.rounds):
         order = [(b, binary, *run) for b, binary in builds for run in runs]
+        order += [("control", None, loads, None, None, None) for loads in CONTROL_LOADS]
         random.shuffle(order)
         for build, binary, program, rt, dotnet, dll in order:
+            if build == "control":
+                done = subprocess.run([floor, str(program), "4", str(args.seconds), str(args.rate)],
+                                      capture_output=True, text=True, check=True)
+                m = CONTROL.search(done.stdout)
+                controls[program].append((int(m[1]) / 1000, int(m[2]) / 1000))
+                continue
             log = os.path.join(scratch, "agent.log")
             if os.path.exists(log):
                 os.remove(log)
@@ -105,6 +126,9 @@ def main():
                   f"{spread([x[1] for x in r], ' µs')} | {statistics.median(x[4] for x in r):.0f} | "
                   f"{sum(x[2] for x in r)} | {sum(x[3] for x in r)} | "
                   f"{copies(r)} |")
+    for loads, r in controls.items():
+        print(f"| control: {loads} dependent loads a sample | | | {spread([x[0] for x in r], ' µs')} | "
+              f"{spread([x[1] for x in r], ' µs')} | | | | |")
     print("\ntargets (issue 15): median <= 5 µs, p99 <= 30 µs")
 
 

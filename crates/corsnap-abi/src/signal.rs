@@ -41,7 +41,7 @@ mod sampler;
 mod slot;
 mod trampoline;
 use clocks::*;
-use copy_pool::POOL;
+use copy_pool::{Block, POOL};
 pub use handler::monotonic_ns;
 use handler::*;
 pub(crate) use handler::{CopyHijack, LiveMemory};

@@ -155,9 +155,11 @@ impl HandlerTime {
         let settled = HandlerTime::sorted(times.iter().filter(|t| t.settled));
         let p99 = percentile(&all, 99);
         let slow: Vec<&HandlerTime> = times.iter().filter(|t| t.ns >= p99).collect();
+        let copied = HandlerTime::sorted(times.iter().filter(|t| t.copied));
         format!(
             "handler over the last {} samples: median {} ns, p99 {p99} ns; after the first second ({}): median {} ns, \
-             p99 {} ns; of the {} at or over the p99, {} met unknown code and copied the stack, {} in the first second",
+             p99 {} ns; of the {} at or over the p99, {} met unknown code and copied the stack, {} in the first second; \
+             the {} that copied: median {} ns",
             times.len(),
             percentile(&all, 50),
             settled.len(),
@@ -166,6 +168,8 @@ impl HandlerTime {
             slow.len(),
             slow.iter().filter(|t| t.copied).count(),
             slow.iter().filter(|t| !t.settled).count(),
+            copied.len(),
+            percentile(&copied, 50),
         )
     }
 

@@ -21,9 +21,9 @@
 //! A thread that finds no free block copies into its ring as before.
 //!
 //! Async-signal-safe: taking a block is a compare-and-swap on one word
-//! (bounded retries, never a wait); writing it is relaxed stores into
-//! memory allocated before sampling began and freed only after every
-//! handler has left.
+//! (bounded retries, never a wait); writing it is plain and streaming
+//! stores (then a store fence) into memory allocated before sampling began
+//! and freed only after every handler has left.
 
 use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 
@@ -44,7 +44,10 @@ pub(super) struct CopyPool {
 }
 
 fn layout() -> std::alloc::Layout {
-    std::alloc::Layout::array::<AtomicU64>(BLOCKS * BLOCK_WORDS).expect("a fixed, small layout")
+    // Lines of their own: a copy is written with 16-byte streaming stores.
+    std::alloc::Layout::array::<AtomicU64>(BLOCKS * BLOCK_WORDS)
+        .and_then(|l| l.align_to(64))
+        .expect("a fixed, small layout")
 }
 
 /// A block taken for one copy.
@@ -59,6 +62,70 @@ impl Block {
         if let Some(w) = self.words.get(i) {
             w.store(word, Ordering::Relaxed);
         }
+    }
+
+    /// Copies `stack` (the interrupted thread's own, from its stack
+    /// pointer up) into the block's first words, at most the block's
+    /// length, and returns how many it copied: 16 bytes at a time, with
+    /// streaming stores, then a store fence.
+    ///
+    /// A block is cold when it is taken (64 of them, 2 MiB, in turn), and
+    /// an ordinary store to a cold line first reads the line in; streaming
+    /// stores write whole lines without reading them. The copy was stored
+    /// word by word before, each word checked against the stack's bounds
+    /// and compared with the hijack trampoline on the way: on taskfaults.cs
+    /// (.NET 10, 3 s runs at 100 Hz, three alternating pairs, the copy
+    /// alone timed in the handler) 7.5 to 8.4 µs a copy (2.9 to 4.3 ns a
+    /// word, copies of 1,700 words on average), against 3.3 to 4.6 µs
+    /// (1.4 to 2.3 ns a word) this way. Loads, streaming stores and
+    /// `sfence` are instructions: no call, nothing that can block.
+    ///
+    /// # Safety
+    /// `stack` must be mapped and readable, and hold still while it is
+    /// copied (the calling thread's own stack, above its signal frame).
+    pub(super) unsafe fn copy_from(&self, stack: std::ops::Range<u64>) -> usize {
+        let n = (((stack.end.saturating_sub(stack.start)) / 8) as usize).min(self.words.len());
+        let (src, dst) = (stack.start as *const u8, self.words.as_ptr() as *mut u8);
+        let pairs = n / 2;
+        // SAFETY: the source as the caller promised (read unaligned); the
+        // destination is this block's first `n` words, 64-byte aligned
+        // (see `layout`, and a block is a multiple of 64 bytes), which no
+        // other thread reads or writes while the block is taken (the agent
+        // reads it after the record naming it is published with release,
+        // and the ring's acquire; the fence below orders the streaming
+        // stores before that release). AtomicU64 has u64's size and
+        // alignment. SSE2 is part of x86-64.
+        unsafe {
+            use std::arch::x86_64::{_mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+            for i in 0..pairs {
+                let v = _mm_loadu_si128(src.add(16 * i) as *const _);
+                _mm_stream_si128(dst.add(16 * i) as *mut _, v);
+            }
+            if n % 2 == 1 {
+                std::ptr::copy_nonoverlapping(src.add(16 * pairs), dst.add(16 * pairs), 8);
+            }
+            _mm_sfence();
+        }
+        n
+    }
+
+    /// The index of the first of the copy's first `n` words equal to
+    /// `value`. Plain loads of memory only this thread writes while the
+    /// block is taken, eight words at a time, so that the compiler can
+    /// compare them together.
+    pub(super) fn position(&self, n: usize, value: u64) -> Option<usize> {
+        let n = n.min(self.words.len());
+        // SAFETY: the block's first `n` words, written by this thread (see
+        // `copy_from`); nothing writes them while this slice lives.
+        let words = unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const u64, n) };
+        let chunks = words.chunks_exact(8);
+        let tail = chunks.remainder();
+        for (c, chunk) in chunks.enumerate() {
+            if chunk.iter().fold(false, |any, &w| any | (w == value)) {
+                return chunk.iter().position(|&w| w == value).map(|i| c * 8 + i);
+            }
+        }
+        tail.iter().position(|&w| w == value).map(|i| n - tail.len() + i)
     }
 }
 
@@ -167,6 +234,17 @@ mod tests {
         assert!(pool.take().is_none(), "a 65th block");
         taken[3].store(0, 42);
         taken[3].store(BLOCK_WORDS, 7); // past the end: ignored
+        let stack: Vec<u64> = (100..120).collect();
+        let range = stack.as_ptr() as u64..stack.as_ptr() as u64 + 8 * 20;
+        // SAFETY: a live vector's words.
+        assert_eq!(unsafe { taken[5].copy_from(range) }, 20);
+        assert_eq!(taken[5].position(20, 117), Some(17));
+        assert_eq!(taken[5].position(20, 103), Some(3));
+        assert_eq!(taken[5].position(17, 117), None);
+        let mut copied = Vec::new();
+        pool.read_and_release(taken[5].index, 20, &mut copied);
+        assert_eq!(copied, stack);
+        taken[5].store(0, 0);
         let mut out = Vec::new();
         pool.read_and_release(taken[3].index, 1, &mut out);
         assert_eq!(out, [42]);

@@ -56,11 +56,12 @@
 //!    their pages mapped when the sampler made them, not at a first touch
 //!    here); a full ring drops the sample and counts it. A
 //!    stack copy goes into a block of the shared pool, taken with a bounded
-//!    compare-and-swap and written with relaxed stores ([`copy_pool`]).
+//!    compare-and-swap and written 16 bytes at a time with streaming stores,
+//!    then a store fence, before the record is published ([`copy_pool`]).
 //!    When a copy meets the hijack trampoline among the words it copies
 //!    (only then), the same 16 bytes of the thread object are read once
 //!    more, the same way, to put back a hijack the walk did not meet
-//!    ([`LiveMemory::copied_word`]).
+//!    ([`LiveMemory::copy_into`], [`LiveMemory::copied_word`]).
 //!    A stretch of code the walk learned at its leaf, and the return
 //!    addresses it looked up in full, go into the slot's mailboxes for the
 //!    agent the same way (relaxed stores, one release store; a full mailbox
@@ -142,6 +143,38 @@ impl LiveMemory<'_> {
         match *hijack {
             CopyHijack::Known(Some((slot, original))) if slot == address => original,
             _ => word,
+        }
+    }
+}
+
+impl LiveMemory<'_> {
+    /// Copies `words` words of this stack from `sp` up into `block`, with a
+    /// hijacked return address put back as [`Self::copied_word`] does: the
+    /// words copied at once, then the trampoline looked for among them
+    /// (only if the walk did not undo the hijack already), then the one
+    /// slot written again. Async-signal-safe: loads, streaming and plain
+    /// stores, a store fence ([`Block::copy_from`]), and at most once
+    /// [`Self::hijack_in_stack`].
+    pub(super) fn copy_into(&self, sp: u64, words: usize, hijack: &mut CopyHijack, block: &Block) {
+        let start = sp.max(self.stack.start);
+        let end = sp.saturating_add(8 * words as u64).min(self.stack.end);
+        if start != sp || end <= start {
+            return;
+        }
+        // SAFETY: `sp..end` lies in the mapping that holds this thread's
+        // stack pointer, above the signal frame this handler runs on: the
+        // thread is us, and nothing else writes there while we run.
+        let copied = unsafe { block.copy_from(start..end) };
+        if let CopyHijack::NotLooked { trampoline } = *hijack {
+            if trampoline != 0 && block.position(copied, trampoline).is_some() {
+                *hijack = CopyHijack::Known(self.hijack_in_stack(sp));
+            }
+        }
+        if let CopyHijack::Known(Some((slot, original))) = *hijack {
+            let offset = slot.wrapping_sub(sp);
+            if slot >= sp && offset % 8 == 0 && ((offset / 8) as usize) < copied {
+                block.store((offset / 8) as usize, original);
+            }
         }
     }
 }

@@ -95,11 +95,11 @@ impl Ring {
                 n += 1;
             }
             let mut hijack = c.hijack;
-            for i in 0..c.words {
-                let w = c.memory.copied_word(c.regs.sp, i, &mut hijack);
-                match &pooled {
-                    Some(b) => b.store(i, w),
-                    None => {
+            match &pooled {
+                Some(b) => c.memory.copy_into(c.regs.sp, c.words, &mut hijack, b),
+                None => {
+                    for i in 0..c.words {
+                        let w = c.memory.copied_word(c.regs.sp, i, &mut hijack);
                         self.words[(h + n) % RING_WORDS].store(w, Ordering::Relaxed);
                         n += 1;
                     }
