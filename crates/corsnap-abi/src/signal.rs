@@ -67,8 +67,9 @@ pub const MAX_SLOTS: usize = 16384;
 const RECORD_HEAD: usize = 5;
 /// When a walk met code the map does not know yet, the handler also keeps
 /// up to this many words of the stack (and the registers), so the agent can
-/// walk the sample again once it has learned that code.
-const STACK_COPY_WORDS: usize = 4096;
+/// walk the sample again once it has learned that code: two blocks of the
+/// copy pool (64 KiB).
+const STACK_COPY_WORDS: usize = 8192;
 /// Words copied past a splice frame's stack pointer.
 const SPLICE_SLACK_WORDS: usize = 16;
 

@@ -29,8 +29,11 @@ use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 
 /// Blocks in the pool: one bit each in [`USED`].
 pub(super) const BLOCKS: usize = 64;
-/// Words in one block: a whole copy.
-pub(super) const BLOCK_WORDS: usize = super::STACK_COPY_WORDS;
+/// Words in one block. A copy deeper than one takes two adjacent blocks
+/// (see [`CopyPool::take`]): [`super::STACK_COPY_WORDS`] is two blocks.
+pub(super) const BLOCK_WORDS: usize = 4096;
+/// Blocks one copy may take, adjacent.
+pub(super) const MAX_RUN: usize = super::STACK_COPY_WORDS.div_ceil(BLOCK_WORDS);
 
 /// The process's pool: the handler has no other way to reach it.
 pub(super) static POOL: CopyPool = CopyPool::new();
@@ -50,13 +53,24 @@ fn layout() -> std::alloc::Layout {
         .expect("a fixed, small layout")
 }
 
-/// A block taken for one copy.
+/// A block taken for one copy: one of the pool's, or a run of adjacent
+/// ones (`words` spans them all).
 pub(super) struct Block {
     pub(super) index: usize,
     words: &'static [AtomicU64],
 }
 
+/// How many blocks a copy of `words` words takes.
+pub(super) fn blocks_for(words: usize) -> usize {
+    words.div_ceil(BLOCK_WORDS).clamp(1, MAX_RUN)
+}
+
 impl Block {
+    /// The words this block (or run of blocks) holds.
+    pub(super) fn capacity(&self) -> usize {
+        self.words.len()
+    }
+
     /// Stores word `i` of the copy.
     pub(super) fn store(&self, i: usize, word: u64) {
         if let Some(w) = self.words.get(i) {
@@ -164,22 +178,40 @@ impl CopyPool {
         self.used.store(0, Ordering::SeqCst);
     }
 
-    /// Takes a free block, if there is one. From the signal handler: one
-    /// load and at most four compare-and-swaps.
-    pub(super) fn take(&self) -> Option<Block> {
+    /// Takes free blocks for a copy of `words` words: as many adjacent ones
+    /// as it needs ([`blocks_for`]), else a single one, which holds the
+    /// copy's first [`BLOCK_WORDS`] words; `None` if no block is free.
+    /// From the signal handler: one load and at most four
+    /// compare-and-swaps.
+    ///
+    /// Two blocks for a deep stack: at start-up most copies are of stacks
+    /// deep in the host, the runtime and the JIT, and on taskfaults.cs
+    /// (.NET 10) 17 of 22 copies in three runs reached the one block's
+    /// 4,096 words; a walk of a copy that stops short of the frame where
+    /// the handler's walk was known again ends there, an incomplete stack.
+    pub(super) fn take(&self, words: usize) -> Option<Block> {
         let pool = self.words.load(Ordering::Acquire);
         if pool.is_null() {
             return None;
         }
+        let wanted = blocks_for(words);
         let mut used = self.used.load(Ordering::Relaxed);
         for _ in 0..4 {
             let free = !used;
-            if free == 0 {
+            // Bit i of `starts`: blocks i..i + run are all free.
+            let mut run = wanted;
+            let mut starts = (1..wanted).fold(free, |s, k| s & (free >> k));
+            if starts == 0 {
+                run = 1;
+                starts = free;
+            }
+            if starts == 0 {
                 return None;
             }
-            let index = free.trailing_zeros() as usize;
-            match self.used.compare_exchange_weak(used, used | 1 << index, Ordering::Acquire, Ordering::Relaxed) {
-                Ok(_) => return Some(Block { index, words: block_words(pool, index) }),
+            let index = starts.trailing_zeros() as usize;
+            let bits = (u64::MAX >> (64 - run)) << index;
+            match self.used.compare_exchange_weak(used, used | bits, Ordering::Acquire, Ordering::Relaxed) {
+                Ok(_) => return Some(Block { index, words: block_words(pool, index, run) }),
                 Err(now) => used = now,
             }
         }
@@ -188,21 +220,26 @@ impl CopyPool {
 
     /// Appends the first `len` words of block `index` to `out` and gives
     /// the block back. The agent's thread, draining a record that names it.
+    /// (A copy of `len` words holds the blocks [`blocks_for`] gives: it was
+    /// cut to one block's words when no run was free.)
     pub(super) fn read_and_release(&self, index: usize, len: usize, out: &mut Vec<u64>) {
         let pool = self.words.load(Ordering::Acquire);
-        if index < BLOCKS && !pool.is_null() {
-            let words = block_words(pool, index);
-            out.extend(words.iter().take(len.min(BLOCK_WORDS)).map(|w| w.load(Ordering::Relaxed)));
+        let run = blocks_for(len);
+        if index + run <= BLOCKS && !pool.is_null() {
+            let words = block_words(pool, index, run);
+            out.extend(words.iter().take(len).map(|w| w.load(Ordering::Relaxed)));
         }
-        self.release(index);
+        self.release(index, len);
     }
 
-    /// Gives block `index` back without reading it (a record never
-    /// drained, or one that did not fit in its ring after the block was
-    /// taken).
-    pub(super) fn release(&self, index: usize) {
-        if index < BLOCKS {
-            self.used.fetch_and(!(1u64 << index), Ordering::Release);
+    /// Gives back the blocks from `index` that a copy of `len` words holds,
+    /// without reading them (a record never drained, or one that did not
+    /// fit in its ring after the blocks were taken).
+    pub(super) fn release(&self, index: usize, len: usize) {
+        let run = blocks_for(len);
+        if index + run <= BLOCKS {
+            let bits = (u64::MAX >> (64 - run)) << index;
+            self.used.fetch_and(!bits, Ordering::Release);
         }
     }
 
@@ -213,12 +250,13 @@ impl CopyPool {
     }
 }
 
-/// Block `index`'s words.
-fn block_words(pool: *mut AtomicU64, index: usize) -> &'static [AtomicU64] {
-    // SAFETY: `index < BLOCKS`, so the block lies inside the allocation,
-    // which lives until `destroy`, called only once nothing can hold a
-    // block (see there).
-    unsafe { std::slice::from_raw_parts(pool.add(index * BLOCK_WORDS), BLOCK_WORDS) }
+/// The words of `run` blocks from block `index`.
+fn block_words(pool: *mut AtomicU64, index: usize, run: usize) -> &'static [AtomicU64] {
+    let run = run.min(BLOCKS.saturating_sub(index));
+    // SAFETY: blocks `index..index + run` lie inside the allocation (the
+    // run is cut to its end), which lives until `destroy`, called only once
+    // nothing can hold a block (see there).
+    unsafe { std::slice::from_raw_parts(pool.add(index * BLOCK_WORDS), run * BLOCK_WORDS) }
 }
 
 #[cfg(test)]
@@ -229,9 +267,9 @@ mod tests {
     fn blocks_are_taken_once_each_and_come_back() {
         let pool = CopyPool::new();
         pool.create();
-        let taken: Vec<Block> = (0..BLOCKS).filter_map(|_| pool.take()).collect();
+        let taken: Vec<Block> = (0..BLOCKS).filter_map(|_| pool.take(100)).collect();
         assert_eq!(taken.len(), BLOCKS);
-        assert!(pool.take().is_none(), "a 65th block");
+        assert!(pool.take(100).is_none(), "a 65th block");
         taken[3].store(0, 42);
         taken[3].store(BLOCK_WORDS, 7); // past the end: ignored
         let stack: Vec<u64> = (100..120).collect();
@@ -244,17 +282,48 @@ mod tests {
         let mut copied = Vec::new();
         pool.read_and_release(taken[5].index, 20, &mut copied);
         assert_eq!(copied, stack);
-        taken[5].store(0, 0);
         let mut out = Vec::new();
         pool.read_and_release(taken[3].index, 1, &mut out);
         assert_eq!(out, [42]);
-        let again = pool.take().expect("the block given back");
-        assert_eq!(again.index, taken[3].index);
-        for b in taken.iter().chain([&again]) {
-            pool.release(b.index);
+        // Blocks 3 and 5 are free, not adjacent: a deep copy gets one.
+        let single = pool.take(BLOCK_WORDS + 1).expect("a block given back");
+        assert_eq!((single.index, single.words.len()), (3, BLOCK_WORDS));
+        for b in taken.iter().chain([&single]) {
+            pool.release(b.index, 1);
         }
         assert_eq!(pool.in_use(), 0);
         pool.destroy();
-        assert!(pool.take().is_none(), "no pool");
+        assert!(pool.take(1).is_none(), "no pool");
+    }
+
+    #[test]
+    fn a_deep_copy_takes_two_adjacent_blocks_and_gives_both_back() {
+        let pool = CopyPool::new();
+        pool.create();
+        let deep = BLOCK_WORDS + 10;
+        let first = pool.take(1).expect("block 0");
+        let run = pool.take(deep).expect("blocks 1 and 2");
+        assert_eq!((run.index, run.words.len()), (1, 2 * BLOCK_WORDS));
+        assert_eq!(pool.in_use(), 3);
+        let stack: Vec<u64> = (0..deep as u64).collect();
+        let range = stack.as_ptr() as u64..stack.as_ptr() as u64 + 8 * deep as u64;
+        // SAFETY: a live vector's words.
+        assert_eq!(unsafe { run.copy_from(range) }, deep);
+        assert_eq!(run.position(deep, BLOCK_WORDS as u64 + 3), Some(BLOCK_WORDS + 3));
+        let mut copied = Vec::new();
+        pool.read_and_release(run.index, deep, &mut copied);
+        assert_eq!(copied, stack);
+        assert_eq!(pool.in_use(), 1, "both blocks of the run are back");
+        pool.release(first.index, 1);
+        // The last block has no neighbour above it: a run never spans past
+        // the pool's end.
+        let all: Vec<Block> = (0..BLOCKS - 1).filter_map(|_| pool.take(1)).collect();
+        let last = pool.take(deep).expect("the last block alone");
+        assert_eq!((last.index, last.words.len()), (BLOCKS - 1, BLOCK_WORDS));
+        for b in all.iter().chain([&last]) {
+            pool.release(b.index, 1);
+        }
+        assert_eq!(pool.in_use(), 0);
+        pool.destroy();
     }
 }

@@ -49,7 +49,7 @@ impl Ring {
         // free (see `copy_pool`): the whole walk's depth, whatever the ring
         // holds. Only its head (registers, splice) goes into the ring.
         let pooled = match &copy {
-            Some(_) if free >= base + COPY_HEAD => POOL.take(),
+            Some(c) if free >= base + COPY_HEAD => POOL.take(c.words),
             _ => None,
         };
         // Else, into the ring. A walk through unknown code is kept whole
@@ -60,8 +60,12 @@ impl Ring {
         // room to spare for the samples that follow before the next drain,
         // else the one to the splice.
         let copy = copy.map(|mut c| {
-            if pooled.is_none() && free < base + COPY_HEAD + c.words + RING_WORDS / 4 {
-                c.words = c.words.min(c.min_words);
+            match &pooled {
+                // A deep copy that found no two adjacent blocks free keeps
+                // what one holds.
+                Some(b) => c.words = c.words.min(b.capacity()),
+                None if free < base + COPY_HEAD + c.words + RING_WORDS / 4 => c.words = c.words.min(c.min_words),
+                None => {}
             }
             c
         });

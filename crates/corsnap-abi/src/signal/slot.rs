@@ -252,8 +252,8 @@ impl Drop for ThreadSlot {
         let (mut t, h) = (ring.tail.load(Ordering::Acquire), ring.head.load(Ordering::Acquire));
         while t < h {
             let record = ring.record_at(t);
-            if let Some((block, _)) = record.pooled {
-                POOL.release(block);
+            if let Some((block, words)) = record.pooled {
+                POOL.release(block, words);
             }
             t += record.words();
         }
