@@ -123,24 +123,21 @@ impl Block {
         n
     }
 
-    /// The index of the first of the copy's first `n` words equal to
-    /// `value`. Plain loads of memory only this thread writes while the
-    /// block is taken, eight words at a time, so that the compiler can
-    /// compare them together.
-    pub(super) fn position(&self, n: usize, value: u64) -> Option<usize> {
+    /// Whether one of the copy's first `n` words is `value`. Plain loads of
+    /// memory only this thread writes while the block is taken, eight words
+    /// at a time, so that the compiler can compare them together.
+    pub(super) fn contains(&self, n: usize, value: u64) -> bool {
         let n = n.min(self.words.len());
         // SAFETY: the block's first `n` words, written by this thread (see
         // `copy_from`); nothing writes them while this slice lives.
         let words = unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const u64, n) };
-        let chunks = words.chunks_exact(8);
-        let tail = chunks.remainder();
-        for (c, chunk) in chunks.enumerate() {
-            if chunk.iter().fold(false, |any, &w| any | (w == value)) {
-                return chunk.iter().position(|&w| w == value).map(|i| c * 8 + i);
-            }
-        }
-        tail.iter().position(|&w| w == value).map(|i| n - tail.len() + i)
+        words.chunks(8).any(|chunk| chunk.iter().fold(false, |any, &w| any | (w == value)))
     }
+}
+
+/// The bits of `used` that blocks `index..index + run` stand for.
+fn run_bits(index: usize, run: usize) -> u64 {
+    (u64::MAX >> (64 - run)) << index
 }
 
 impl CopyPool {
@@ -209,7 +206,7 @@ impl CopyPool {
                 return None;
             }
             let index = starts.trailing_zeros() as usize;
-            let bits = (u64::MAX >> (64 - run)) << index;
+            let bits = run_bits(index, run);
             match self.used.compare_exchange_weak(used, used | bits, Ordering::Acquire, Ordering::Relaxed) {
                 Ok(_) => return Some(Block { index, words: block_words(pool, index, run) }),
                 Err(now) => used = now,
@@ -238,8 +235,7 @@ impl CopyPool {
     pub(super) fn release(&self, index: usize, len: usize) {
         let run = blocks_for(len);
         if index + run <= BLOCKS {
-            let bits = (u64::MAX >> (64 - run)) << index;
-            self.used.fetch_and(!bits, Ordering::Release);
+            self.used.fetch_and(!run_bits(index, run), Ordering::Release);
         }
     }
 
@@ -276,9 +272,9 @@ mod tests {
         let range = stack.as_ptr() as u64..stack.as_ptr() as u64 + 8 * 20;
         // SAFETY: a live vector's words.
         assert_eq!(unsafe { taken[5].copy_from(range) }, 20);
-        assert_eq!(taken[5].position(20, 117), Some(17));
-        assert_eq!(taken[5].position(20, 103), Some(3));
-        assert_eq!(taken[5].position(17, 117), None);
+        assert!(taken[5].contains(20, 117));
+        assert!(taken[5].contains(20, 103));
+        assert!(!taken[5].contains(17, 117));
         let mut copied = Vec::new();
         pool.read_and_release(taken[5].index, 20, &mut copied);
         assert_eq!(copied, stack);
@@ -309,7 +305,8 @@ mod tests {
         let range = stack.as_ptr() as u64..stack.as_ptr() as u64 + 8 * deep as u64;
         // SAFETY: a live vector's words.
         assert_eq!(unsafe { run.copy_from(range) }, deep);
-        assert_eq!(run.position(deep, BLOCK_WORDS as u64 + 3), Some(BLOCK_WORDS + 3));
+        assert!(run.contains(deep, BLOCK_WORDS as u64 + 3));
+        assert!(!run.contains(BLOCK_WORDS + 3, BLOCK_WORDS as u64 + 3));
         let mut copied = Vec::new();
         pool.read_and_release(run.index, deep, &mut copied);
         assert_eq!(copied, stack);

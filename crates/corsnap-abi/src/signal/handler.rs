@@ -156,17 +156,22 @@ impl LiveMemory<'_> {
     /// stores, a store fence ([`Block::copy_from`]), and at most once
     /// [`Self::hijack_in_stack`].
     pub(super) fn copy_into(&self, sp: u64, words: usize, hijack: &mut CopyHijack, block: &Block) {
-        let start = sp.max(self.stack.start);
         let end = sp.saturating_add(8 * words as u64).min(self.stack.end);
-        if start != sp || end <= start {
-            return;
+        let copied = if self.stack.contains(&sp) && end > sp {
+            // SAFETY: `sp..end` lies in the mapping that holds this thread's
+            // stack pointer, above the signal frame this handler runs on:
+            // the thread is us, and nothing else writes there while we run.
+            unsafe { block.copy_from(sp..end) }
+        } else {
+            0
+        };
+        // Words the stack did not hold are 0, as word by word: the record
+        // says `words`, and the block still holds an older copy.
+        for i in copied..words {
+            block.store(i, 0);
         }
-        // SAFETY: `sp..end` lies in the mapping that holds this thread's
-        // stack pointer, above the signal frame this handler runs on: the
-        // thread is us, and nothing else writes there while we run.
-        let copied = unsafe { block.copy_from(start..end) };
         if let CopyHijack::NotLooked { trampoline } = *hijack {
-            if trampoline != 0 && block.position(copied, trampoline).is_some() {
+            if trampoline != 0 && block.contains(copied, trampoline) {
                 *hijack = CopyHijack::Known(self.hijack_in_stack(sp));
             }
         }
