@@ -58,6 +58,8 @@ use corsnap_unwind::{lookup_address, CodeMap, Regs, Walk, WalkCache};
 
 use crate::signal::{LiveMemory, MAX_FRAMES};
 
+mod replay;
+
 /// The map event walks read; replaced whole, freed only when no walk runs.
 static MAP: AtomicPtr<CodeMap> = AtomicPtr::new(null_mut());
 /// A thread's count of its walks running now.
@@ -102,16 +104,25 @@ struct Walker {
     /// stacks was cold at every event.
     stack: Option<(u64, std::ops::Range<u64>)>,
     /// Its walks, their frames, the frames taken from remembered paths and
-    /// from the last walk's deep end (plain counts: the walker is one
-    /// walk's alone; summed into [`TOTALS`] when the pool is emptied).
-    counts: [u64; 4],
+    /// from the last walk's deep end, and the walks replayed (plain counts:
+    /// the walker is one walk's alone; summed into [`TOTALS`] when the pool
+    /// is emptied).
+    counts: [u64; 5],
+    /// Its last walks that can be replayed ([`replay`]).
+    replays: replay::Replays,
 }
 
 impl Walker {
     fn new() -> Box<Walker> {
         let mut cache = WalkCache::new();
         cache.remember_paths();
-        Box::new(Walker { cache, words: [0; HEAD_ROOM + MAX_FRAMES], stack: None, counts: [0; 4] })
+        Box::new(Walker {
+            cache,
+            words: [0; HEAD_ROOM + MAX_FRAMES],
+            stack: None,
+            counts: [0; 5],
+            replays: replay::Replays::new(),
+        })
     }
 
     /// The stack mapping holding `sp`, from the last walk's or the map's.
@@ -134,9 +145,9 @@ impl Walker {
     }
 }
 
-/// Walks, frames and frames from remembered paths of walkers no longer in
-/// the pool.
-static TOTALS: [AtomicU64; 4] = [const { AtomicU64::new(0) }; 4];
+/// Walks, frames, frames from remembered paths and from last walks, and
+/// walks replayed, of walkers no longer in the pool.
+static TOTALS: [AtomicU64; 5] = [const { AtomicU64::new(0) }; 5];
 /// Set by a walk whose stack the map does not list: the agent reads the
 /// process's stacks again and publishes.
 static STACKS_STALE: AtomicBool = AtomicBool::new(false);
@@ -321,16 +332,31 @@ pub fn walk_own_stack<R>(
         }
     };
     let memory = LiveMemory { stack: stack.clone(), map, runtime_thread };
-    let Walker { cache, words, counts, .. } = walker;
+    let Walker { cache, words, counts, replays, .. } = walker;
     let out = &mut words[HEAD_ROOM..];
-    let mut walk = corsnap_unwind::walk(map, &memory, regs, cache, out);
-    // Not in a signal handler: the callback's thread keeps what the walk
-    // taught (one leaf stretch at most, and the return addresses looked up
-    // in full; a later event from the same place takes its path instead).
-    map.keep_learned(cache);
-    for (count, add) in counts.iter_mut().zip([1, walk.len, walk.path_frames, walk.rest_frames]) {
-        *count += add as u64;
-    }
+    let start = replay::Start::new(map.generation(), regs, &stack, runtime_thread);
+    let mut walk = match replays.replay(&start, &memory, out) {
+        Some(walk) => {
+            for (count, add) in counts.iter_mut().zip([1, walk.len, 0, 0, 1]) {
+                *count += add as u64;
+            }
+            walk
+        }
+        None => {
+            let walk = replays.walk_and_keep(start, &memory, out, |recorded, out| {
+                corsnap_unwind::walk(map, recorded, regs, cache, out)
+            });
+            // Not in a signal handler: the callback's thread keeps what the
+            // walk taught (one leaf stretch at most, and the return
+            // addresses looked up in full; a later event from the same
+            // place takes its path instead).
+            map.keep_learned(cache);
+            for (count, add) in counts.iter_mut().zip([1, walk.len, walk.path_frames, walk.rest_frames, 0]) {
+                *count += add as u64;
+            }
+            walk
+        }
+    };
     // Frames of native code at the leaf are corsnap's own and the runtime's
     // plumbing between the event and the code it happened in (counted by
     // the walk when its way in was all table rules).
@@ -434,6 +460,8 @@ pub struct EventWalkCounters {
     pub frames: u64,
     pub path_frames: u64,
     pub rest_frames: u64,
+    /// Walks not made: a kept walk from the same place was replayed.
+    pub replayed: u64,
     pub no_map: u64,
     pub own_stacks: u64,
     pub unknown_stacks: u64,
@@ -446,6 +474,7 @@ pub fn counters() -> EventWalkCounters {
         frames: TOTALS[1].load(Ordering::Relaxed),
         path_frames: TOTALS[2].load(Ordering::Relaxed),
         rest_frames: TOTALS[3].load(Ordering::Relaxed),
+        replayed: TOTALS[4].load(Ordering::Relaxed),
         no_map: NO_MAP.load(Ordering::Relaxed),
         own_stacks: OWN_STACKS.load(Ordering::Relaxed),
         unknown_stacks: UNKNOWN_STACKS.load(Ordering::Relaxed),
@@ -558,6 +587,7 @@ impl Drop for EventMap {
 mod tests {
     use super::*;
     use corsnap_unwind::process::{native_module, parse_maps, stack_ranges, LoadedElf};
+    use corsnap_unwind::Memory;
 
     fn own_code_map(with_stacks: bool) -> CodeMap {
         let (objects, _) = crate::process::loaded_objects();
@@ -611,7 +641,71 @@ mod tests {
         let (_, again, _) = deeper(5).expect("a walk");
         assert_eq!((again.flags, again.sp), (walk.flags, walk.sp), "the same root, reached the same way");
         assert!(again.path_frames > 0, "{again:?}");
+        // From one call site twice: the same frames, whether the second
+        // walk was the first one replayed or made again. (Replayed only if
+        // every word the first read is the same: this test's own frames
+        // keep `rbp` as a plain register, so a saved `rbp` may differ; the
+        // replay itself is tested below, and on the runtime's stacks by the
+        // walkers' comparisons.)
+        let both: Vec<_> = (0..2).map(|_| deeper(5).expect("a walk")).collect();
+        assert_eq!((&both[0].0, both[0].1.flags, both[0].1.sp), (&both[1].0, both[1].1.flags, both[1].1.sp));
+        assert_eq!((both[1].1.flags, both[1].1.sp), (walk.flags, walk.sp));
         assert!(events.uninstall(Duration::from_secs(1)));
         assert_eq!(deeper(0).err(), Some(OwnWalkError::NoMap));
+    }
+
+    /// A kept walk is replayed only while every word it read holds what it
+    /// held: one word changed under it and the walk is made again.
+    #[test]
+    fn a_kept_walk_is_not_replayed_once_a_word_it_read_changed() {
+        let map = own_code_map(true);
+        let mut stack_words: Vec<u64> = (0..64).map(|i| 0x1000 + i).collect();
+        let base = stack_words.as_mut_ptr() as u64;
+        let memory = LiveMemory { stack: base..base + 8 * 64, map: &map, runtime_thread: 0 };
+        let start = replay::Start::new(map.generation(), Regs { ip: 1, sp: base, bp: 0 }, &memory.stack, 0);
+        let mut replays = replay::Replays::new();
+        let mut out = [0u64; 8];
+        let complete = Walk { len: 2, flags: corsnap_unwind::flags::COMPLETE, ..Walk::default() };
+        // A stand-in walk that reads words 3 and 9 (and one outside the
+        // stack) and finds two frames.
+        let walked = replays.walk_and_keep(start, &memory, &mut out, |m, out| {
+            out[0] = m.stack_word(base + 24).unwrap_or(0);
+            out[1] = m.stack_word(base + 72).unwrap_or(0);
+            assert_eq!(m.stack_word(base + 8 * 64), None);
+            complete
+        });
+        assert_eq!(walked, complete);
+        let mut again = [0u64; 8];
+        assert_eq!(replays.replay(&start, &memory, &mut again), Some(complete));
+        assert_eq!(again[..2], [0x1003, 0x1009]);
+        let other = replay::Start { regs: Regs { ip: 2, ..start.regs }, ..start };
+        assert_eq!(replays.replay(&other, &memory, &mut again), None, "another place");
+        // SAFETY: a word of our own vector, read only through `memory`.
+        unsafe { (base as *mut u64).add(9).write(7) };
+        assert_eq!(replays.replay(&start, &memory, &mut again), None, "a word read changed");
+        // A walk that did not reach the root is not kept.
+        let lost = Walk { flags: corsnap_unwind::flags::LOST, ..complete };
+        replays.walk_and_keep(other, &memory, &mut out, |_, _| lost);
+        assert_eq!(replays.replay(&other, &memory, &mut again), None);
+        // Two walks kept from one start (a thread that throws from two
+        // places at one depth), told apart by a word: each is replayed
+        // while the stack holds its own.
+        let mut replays = replay::Replays::new();
+        let read_word_2 = |m: &dyn Memory, out: &mut [u64], len: usize| {
+            out[0] = m.stack_word(base + 16).unwrap_or(0);
+            Walk { len, ..complete }
+        };
+        for (word, len) in [(0xa, 1), (0xb, 2)] {
+            // SAFETY: as above.
+            unsafe { (base as *mut u64).add(2).write(word) };
+            replays.walk_and_keep(start, &memory, &mut out, |m, out| read_word_2(m, out, len));
+        }
+        for (word, len) in [(0xa, 1), (0xb, 2), (0xb, 2), (0xa, 1), (0xc, 0)] {
+            // SAFETY: as above.
+            unsafe { (base as *mut u64).add(2).write(word) };
+            let replayed = replays.replay(&start, &memory, &mut again);
+            assert_eq!(replayed.map(|w| w.len), (len > 0).then_some(len), "word {word:#x}");
+        }
+        drop(stack_words);
     }
 }

@@ -186,6 +186,40 @@ fn readable_type_name(name: &str) -> String {
 #[repr(align(128))]
 struct ExceptionTypes(Mutex<TypeNumbers>);
 
+/// The type a thread numbered last, and the queue that numbered it: in a
+/// storm a thread throws one type again and again, and each throw took the
+/// shard's lock and hashed the name (2.5% of the CPU of `validate` on .NET
+/// 10 under `perf`, more than its stack's walk). A copy of the name and a
+/// number: no destructor, which would pin the agent's library after a
+/// detach.
+struct LastType {
+    queue: u64,
+    len: usize,
+    name: [u16; LAST_TYPE_UNITS],
+    number: u32,
+}
+
+/// The longest name [`LastType`] keeps (longer ones are looked up each time).
+const LAST_TYPE_UNITS: usize = 128;
+
+thread_local! {
+    static LAST_TYPE: std::cell::RefCell<LastType> =
+        const { std::cell::RefCell::new(LastType { queue: 0, len: 0, name: [0; LAST_TYPE_UNITS], number: 0 }) };
+}
+
+/// An [`EventQueue`]'s own number, never another's: what a thread keeps of
+/// one queue ([`LastType`]) is never taken for a later one's, wherever that
+/// one is allocated.
+#[derive(Debug)]
+struct QueueId(u64);
+
+impl Default for QueueId {
+    fn default() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        QueueId(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
 #[derive(Debug, Default)]
 struct TypeNumbers {
     numbers: HashMap<Box<[u16]>, u32, foldhash::fast::FixedState>,
@@ -311,6 +345,7 @@ pub struct EventQueue {
     /// GC callbacks mean nothing until a `GarbageCollectionStarted` is seen.
     gc_started_seen: AtomicBool,
     exception_types: [ExceptionTypes; TALLY_SHARDS],
+    id: QueueId,
     pub dropped: AtomicU64,
 }
 
@@ -448,6 +483,30 @@ impl EventQueue {
     /// The number of an exception type's name (UTF-16, from EventPipe)
     /// thrown on `thread`.
     pub fn exception_type(&self, thread: ThreadID, name: &[u16]) -> u32 {
+        let queue = self.id.0;
+        let last = LAST_TYPE.try_with(|last| {
+            let last = last.try_borrow().ok()?;
+            (last.queue == queue && last.name.get(..last.len) == Some(name)).then_some(last.number)
+        });
+        if let Ok(Some(number)) = last {
+            return number;
+        }
+        let number = self.number_type(thread, name);
+        if name.len() <= LAST_TYPE_UNITS {
+            let _ = LAST_TYPE.try_with(|last| {
+                if let Ok(mut last) = last.try_borrow_mut() {
+                    last.name[..name.len()].copy_from_slice(name);
+                    last.len = name.len();
+                    last.number = number;
+                    last.queue = queue;
+                }
+            });
+        }
+        number
+    }
+
+    /// [`Self::exception_type`] from the shard's table.
+    fn number_type(&self, thread: ThreadID, name: &[u16]) -> u32 {
         let shard = tally_shard(thread);
         let mut types = self.exception_types[shard].0.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(&number) = types.numbers.get(name) {
@@ -708,7 +767,14 @@ mod tests {
         let second = queue.exception_type(0x10, &utf16("EventShapes.ShapeException"));
         assert_ne!(first, second);
         assert_eq!(queue.exception_type(0x10, &utf16("System.InvalidOperationException")), first);
+        assert_eq!(queue.exception_type(0x10, &utf16("System.InvalidOperationException")), first, "kept by the thread");
         assert_eq!(queue.exception_type_name(second), "EventShapes.ShapeException");
+        // What this thread kept of one queue is not taken for another's
+        // (a later session's), which numbers its own types.
+        let later = EventQueue::default();
+        let other = later.exception_type(0x10, &utf16("EventShapes.ShapeException"));
+        assert_eq!(later.exception_type(0x10, &utf16("System.InvalidOperationException")), other + 1);
+        assert_eq!(later.exception_type_name(other + 1), "System.InvalidOperationException");
         // A tally of a named type is taken back as that type, apart from a
         // class with the same number.
         let named = [EventKind::Exceptions as u64, 0x10, 7, u64::from(second), NAMED_BIT, 3, 2, 1];

@@ -786,7 +786,7 @@ impl CodeMap {
 }
 
 /// What [`walk`] produced: `len` frames at the start of the output buffer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Walk {
     pub len: usize,
     pub flags: u32,
