@@ -335,13 +335,8 @@ pub fn walk_own_stack<R>(
     let Walker { cache, words, counts, replays, .. } = walker;
     let out = &mut words[HEAD_ROOM..];
     let start = replay::Start::new(map.generation(), regs, &stack, runtime_thread);
-    let mut walk = match replays.replay(&start, &memory, out) {
-        Some(walk) => {
-            for (count, add) in counts.iter_mut().zip([1, walk.len, 0, 0, 1]) {
-                *count += add as u64;
-            }
-            walk
-        }
+    let (mut walk, replayed) = match replays.replay(&start, &memory, out) {
+        Some(walk) => (walk, true),
         None => {
             let walk = replays.walk_and_keep(start, &memory, out, |recorded, out| {
                 corsnap_unwind::walk(map, recorded, regs, cache, out)
@@ -351,12 +346,15 @@ pub fn walk_own_stack<R>(
             // addresses looked up in full; a later event from the same
             // place takes its path instead).
             map.keep_learned(cache);
-            for (count, add) in counts.iter_mut().zip([1, walk.len, walk.path_frames, walk.rest_frames, 0]) {
-                *count += add as u64;
-            }
-            walk
+            (walk, false)
         }
     };
+    // A replayed walk took no frame from a path or a last walk: it was not
+    // made.
+    let (path_frames, rest_frames) = if replayed { (0, 0) } else { (walk.path_frames, walk.rest_frames) };
+    for (count, add) in counts.iter_mut().zip([1, walk.len, path_frames, rest_frames, usize::from(replayed)]) {
+        *count += add as u64;
+    }
     // Frames of native code at the leaf are corsnap's own and the runtime's
     // plumbing between the event and the code it happened in (counted by
     // the walk when its way in was all table rules).
