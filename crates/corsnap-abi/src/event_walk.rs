@@ -9,20 +9,25 @@
 //! [`walk_own_stack`] runs inside a profiler callback: the runtime holds
 //! whatever locks it holds there, and other threads may be walking too. So:
 //!
-//! 1. It counts itself in (one atomic add on its thread's [`Stripe`]) before
-//!    it loads the published map ([`MAP`], an atomic pointer), and out when
-//!    it is done; the agent frees a replaced map only after seeing every
-//!    stripe's count at zero after the swap (both sides `SeqCst`), so the
-//!    map stays alive for the walk. One count per thread (nearly: threads
-//!    share a stripe by a hash of their thread pointer), each on a cache
-//!    line of its own, because one count for all made two threads throwing
-//!    at once pass its line between their cores at every event.
-//! 2. It borrows a walker (a walk cache and a frame buffer) from a fixed
-//!    pool ([`CACHE_POOL`]) by swapping a slot's pointer with null, and gives
-//!    it back by storing it again: a try, never a wait. With every walker
-//!    out (more threads walking at once than the pool holds) it makes one.
-//!    The caches remember the paths their walks took
-//!    (`corsnap_unwind::WalkCache::remember_paths`).
+//! 1. It borrows a walker (a walk cache and a frame buffer) from a fixed
+//!    pool ([`CACHE_POOL`], every walker made at install) by swapping a
+//!    slot's pointer with null, and gives it back by storing it again: a
+//!    try, never a wait. With every walker out (more threads walking at once
+//!    than the pool holds) it makes one. The caches remember the paths their
+//!    walks took (`corsnap_unwind::WalkCache::remember_paths`).
+//! 2. Having the walker counts it in: only then does it load the published
+//!    map ([`MAP`], an atomic pointer). The agent frees a replaced map only
+//!    after seeing, after the swap, every walker back in the pool (both
+//!    sides `SeqCst`; giving back is a release, seen by the agent's load),
+//!    so the map stays alive for the walk. A walk on a walker of its own
+//!    counts itself in with one atomic add on its thread's [`Stripe`]
+//!    instead, and the agent waits for every stripe's count to be zero too.
+//!    (Every walk used to count itself on its stripe: two more locked
+//!    instructions an event, which wait for the frames written before them,
+//!    0.3% of the CPU of an exception storm on .NET 10.) One stripe per
+//!    thread (nearly: threads share one by a hash of their thread pointer),
+//!    each on a cache line of its own, because one count for all made two
+//!    threads throwing at once pass its line between their cores.
 //! 3. It takes its own registers with three instructions (`lea` of `rip`,
 //!    `mov` of `rsp` and `rbp`) inside this function's body: at that
 //!    instruction the function's `.eh_frame` describes exactly that `rsp`,
@@ -76,8 +81,13 @@ fn own_stripe() -> &'static Stripe {
     &STRIPE[(crate::thread_hash() >> 60) as usize % STRIPES]
 }
 
+/// Whether no walk can be using a map replaced before the call: every
+/// pooled walker is in the pool (all are made at install, so an empty slot
+/// is a walker lent out), and no stripe counts a walk on a walker of its
+/// own.
 fn none_in_flight() -> bool {
-    STRIPE.iter().all(|s| s.in_flight.load(Ordering::SeqCst) == 0)
+    CACHE_POOL.iter().all(|slot| !slot.0.load(Ordering::SeqCst).is_null())
+        && STRIPE.iter().all(|s| s.in_flight.load(Ordering::SeqCst) == 0)
 }
 /// Walk caches, with their frame buffers, lent to walks (null: lent out, or
 /// none made).
@@ -99,9 +109,11 @@ pub const HEAD_ROOM: usize = 8;
 struct Walker {
     cache: WalkCache,
     words: [u64; HEAD_ROOM + MAX_FRAMES],
-    /// The stack of its last walk, and the map generation it was found in:
+    /// The bounds of its last walk's stack (the map's mapping cut to the
+    /// thread library's bounds), and the map generation they were found in:
     /// a thread mostly borrows the same walker, and the search of the map's
-    /// stacks was cold at every event.
+    /// stacks was cold at every event (the thread library's bounds, a
+    /// thread-local, cost a `__tls_get_addr` call each).
     stack: Option<(u64, std::ops::Range<u64>)>,
     /// Its walks, their frames, the frames taken from remembered paths and
     /// from the last walk's deep end, and the walks replayed (plain counts:
@@ -125,16 +137,13 @@ impl Walker {
         })
     }
 
-    /// The stack mapping holding `sp`, from the last walk's or the map's.
-    fn stack_of(&mut self, map: &CodeMap, sp: u64) -> Option<std::ops::Range<u64>> {
-        if let Some((generation, stack)) = &self.stack {
-            if *generation == map.generation() && stack.contains(&sp) {
-                return Some(stack.clone());
-            }
-        }
-        let stack = map.stack_containing(sp)?;
-        self.stack = Some((map.generation(), stack.clone()));
-        Some(stack)
+    /// The bounds its last walk found for the stack holding `sp`, in the
+    /// same map. Bounds are one thread's stack (stacks do not overlap), so
+    /// they serve whichever thread borrowed the walker, if they hold its
+    /// stack pointer.
+    fn last_stack(&self, generation: u64, sp: u64) -> Option<std::ops::Range<u64>> {
+        let (found_in, stack) = self.stack.as_ref()?;
+        (*found_in == generation && stack.contains(&sp)).then(|| stack.clone())
     }
 
     /// Adds its counts to [`TOTALS`].
@@ -241,7 +250,8 @@ impl Borrowed {
         // 10, and 0.1% with this start.
         let start = (crate::thread_hash() >> 59) as usize % POOL;
         (0..POOL).map(|i| (start + i) % POOL).find_map(|index| {
-            let walker = CACHE_POOL[index].0.swap(null_mut(), Ordering::Acquire);
+            // SeqCst: the walk's load of the map comes after it (step 1).
+            let walker = CACHE_POOL[index].0.swap(null_mut(), Ordering::SeqCst);
             (!walker.is_null()).then_some(Borrowed { index, walker })
         })
     }
@@ -260,17 +270,25 @@ impl Drop for Borrowed {
 /// the caller may fill. `runtime_thread` is the runtime's object for this
 /// thread (its `ThreadID`), for undoing a hijacked return address. When the
 /// walk met code the map does not know, `use_walk` also gets the stack to
-/// walk again.
+/// walk again. Last, it gets [`frames_hash`] of the frames, remembered with
+/// a kept walk and not computed again when it is replayed.
 #[inline(never)]
 pub fn walk_own_stack<R>(
     runtime_thread: u64,
     head: usize,
-    use_walk: impl FnOnce(&mut [u64], &Walk, Option<OwnStackCopy>) -> R,
+    use_walk: impl FnOnce(&mut [u64], &Walk, Option<OwnStackCopy>, u64) -> R,
 ) -> Result<R, OwnWalkError> {
-    let in_flight = InFlight::enter();
-    // SAFETY: step 1 of the module documentation: counted in before the load,
-    // and the agent frees a replaced map only once the count was zero after
-    // its swap.
+    // No map, no walk, and nothing borrowed or made for it.
+    if MAP.load(Ordering::Relaxed).is_null() {
+        NO_MAP.fetch_add(1, Ordering::Relaxed);
+        return Err(OwnWalkError::NoMap);
+    }
+    let borrowed = Borrowed::take();
+    let in_flight = borrowed.is_none().then(InFlight::enter);
+    // SAFETY: steps 1 and 2 of the module documentation: counted in (a pooled
+    // walker's slot empty, or the thread's stripe) before the load, and the
+    // agent frees a replaced map only once it has seen, after its swap, every
+    // walker in the pool and every stripe at zero.
     let Some(map) = (unsafe { MAP.load(Ordering::SeqCst).as_ref() }) else {
         NO_MAP.fetch_add(1, Ordering::Relaxed);
         return Err(OwnWalkError::NoMap);
@@ -290,7 +308,6 @@ pub fn walk_own_stack<R>(
         );
     }
     let regs = Regs { ip, sp, bp };
-    let borrowed = Borrowed::take();
     let mut own_walker;
     let walker = match &borrowed {
         // SAFETY: a pointer taken out of the pool is this walk's alone until
@@ -309,36 +326,43 @@ pub fn walk_own_stack<R>(
     // are the stack's own (asked once per thread), so the walk, and a copy
     // of an incomplete one (up to 32 KiB above the stack pointer), never
     // read past them.
-    let own = own_thread_stack(regs.sp);
-    let stack = match (walker.stack_of(map, regs.sp), own) {
-        (Some(mapped), Some(own)) => mapped.start.max(own.start)..mapped.end.min(own.end),
-        (Some(mapped), None) => mapped,
-        (None, Some(own)) => {
-            // A thread made since the map was read: its own stack is known
-            // to its thread library, so its events need not wait for the
-            // agent's thread (slow to be scheduled on a busy machine) to read
-            // the process's stacks again. The map still learns of it at its
-            // next refresh, unhurried.
-            OWN_STACKS.fetch_add(1, Ordering::Relaxed);
-            STACKS_STALE.store(true, Ordering::Relaxed);
-            own
-        }
-        (None, None) => {
-            UNKNOWN_STACKS.fetch_add(1, Ordering::Relaxed);
-            if !STACKS_STALE.swap(true, Ordering::Relaxed) {
-                WAKE_WANTED.store(true, Ordering::Relaxed);
-            }
-            return Err(OwnWalkError::UnknownStack);
+    let stack = match walker.last_stack(map.generation(), regs.sp) {
+        Some(stack) => stack,
+        None => {
+            let own = own_thread_stack(regs.sp);
+            let stack = match (map.stack_containing(regs.sp), own) {
+                (Some(mapped), Some(own)) => mapped.start.max(own.start)..mapped.end.min(own.end),
+                (Some(mapped), None) => mapped,
+                (None, Some(own)) => {
+                    // A thread made since the map was read: its own stack is known
+                    // to its thread library, so its events need not wait for the
+                    // agent's thread (slow to be scheduled on a busy machine) to read
+                    // the process's stacks again. The map still learns of it at its
+                    // next refresh, unhurried.
+                    OWN_STACKS.fetch_add(1, Ordering::Relaxed);
+                    STACKS_STALE.store(true, Ordering::Relaxed);
+                    own
+                }
+                (None, None) => {
+                    UNKNOWN_STACKS.fetch_add(1, Ordering::Relaxed);
+                    if !STACKS_STALE.swap(true, Ordering::Relaxed) {
+                        WAKE_WANTED.store(true, Ordering::Relaxed);
+                    }
+                    return Err(OwnWalkError::UnknownStack);
+                }
+            };
+            walker.stack = Some((map.generation(), stack.clone()));
+            stack
         }
     };
     let memory = LiveMemory { stack: stack.clone(), map, runtime_thread };
     let Walker { cache, words, counts, replays, .. } = walker;
     let out = &mut words[HEAD_ROOM..];
     let start = replay::Start::new(map.generation(), regs, &stack, runtime_thread);
-    let (mut walk, replayed) = match replays.replay(&start, &memory, out) {
-        Some(walk) => (walk, true),
+    let (mut walk, replayed, kept) = match replays.replay(&start, &memory, out) {
+        Some((walk, kept)) => (walk, true, Some(kept)),
         None => {
-            let walk = replays.walk_and_keep(start, &memory, out, |recorded, out| {
+            let (walk, kept) = replays.walk_and_keep(start, &memory, out, |recorded, out| {
                 corsnap_unwind::walk(map, recorded, regs, cache, out)
             });
             // Not in a signal handler: the callback's thread keeps what the
@@ -346,7 +370,7 @@ pub fn walk_own_stack<R>(
             // addresses looked up in full; a later event from the same
             // place takes its path instead).
             map.keep_learned(cache);
-            (walk, false)
+            (walk, false, kept)
         }
     };
     // A replayed walk took no frame from a path or a last walk: it was not
@@ -388,15 +412,29 @@ pub fn walk_own_stack<R>(
             WAKE_WANTED.store(true, Ordering::Relaxed);
         }
     }
+    let frames = out.get(..walk.len).unwrap_or_default();
+    let hash = match kept {
+        Some(kept) => replays.frames_hash(kept, frames),
+        None => frames_hash(frames),
+    };
     let head = head.min(HEAD_ROOM);
     let used = words.get_mut(HEAD_ROOM - head..HEAD_ROOM + walk.len).unwrap_or_default();
-    let result = use_walk(used, &walk, copy);
+    let result = use_walk(used, &walk, copy, hash);
     if borrowed.is_none() {
         walker.count_out();
     }
     drop(borrowed);
     drop(in_flight);
     Ok(result)
+}
+
+/// A hash of a walk's frames (never 0), for an event tally's key: the
+/// same frames always hash the same. foldhash's fixed state hashes a slice
+/// four lanes at a time; the frames come from the runtime, not from an
+/// adversary, so a fixed seed does.
+pub fn frames_hash(frames: &[u64]) -> u64 {
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::default().hash_one(frames) | 1
 }
 
 /// The calling thread's stack as its thread library describes it, if it
@@ -556,13 +594,26 @@ impl EventMap {
             }
             std::thread::sleep(Duration::from_micros(200));
         }
-        for slot in &CACHE_POOL {
-            let cache = slot.0.swap(null_mut(), Ordering::AcqRel);
-            if !cache.is_null() {
-                // SAFETY: made by Box::into_raw in install; no walk holds it
-                // (none is running, and none can start without a map).
-                let mut walker = unsafe { Box::from_raw(cache) };
-                walker.count_out();
+        // Every walker made at install, each once back in its slot: a walk
+        // that borrowed one just before the map went finds no map and gives
+        // it back at once.
+        let mut collected = 0;
+        while collected < POOL {
+            for slot in &CACHE_POOL {
+                let cache = slot.0.swap(null_mut(), Ordering::AcqRel);
+                if !cache.is_null() {
+                    // SAFETY: made by Box::into_raw in install; no walk holds
+                    // it (it was in the pool), and none can use it again.
+                    let mut walker = unsafe { Box::from_raw(cache) };
+                    walker.count_out();
+                    collected += 1;
+                }
+            }
+            if collected < POOL {
+                if Instant::now() >= deadline {
+                    break;
+                }
+                std::thread::sleep(Duration::from_micros(200));
             }
         }
         self.current = None;
@@ -607,7 +658,10 @@ mod tests {
     #[inline(never)]
     fn deeper(depth: u32) -> Result<(Vec<u64>, Walk, bool), OwnWalkError> {
         if depth == 0 {
-            return walk_own_stack(0, 0, |frames, walk, copy| (frames.to_vec(), *walk, copy.is_some()));
+            return walk_own_stack(0, 0, |frames, walk, copy, hash| {
+                assert_eq!(hash, frames_hash(frames));
+                (frames.to_vec(), *walk, copy.is_some())
+            });
         }
         let r = deeper(depth - 1);
         std::hint::black_box(depth);
@@ -672,9 +726,12 @@ mod tests {
             assert_eq!(m.stack_word(base + 8 * 64), None);
             complete
         });
-        assert_eq!(walked, complete);
+        assert_eq!(walked, (complete, Some(0)));
         let mut again = [0u64; 8];
-        assert_eq!(replays.replay(&start, &memory, &mut again), Some(complete));
+        assert_eq!(replays.replay(&start, &memory, &mut again), Some((complete, 0)));
+        // The frames' hash is computed once per kept walk and remembered.
+        assert_eq!(replays.frames_hash(0, &again[..2]), frames_hash(&again[..2]));
+        assert_eq!(replays.frames_hash(0, &[]), frames_hash(&again[..2]));
         assert_eq!(again[..2], [0x1003, 0x1009]);
         let other = replay::Start { regs: Regs { ip: 2, ..start.regs }, ..start };
         assert_eq!(replays.replay(&other, &memory, &mut again), None, "another place");
@@ -702,7 +759,7 @@ mod tests {
             // SAFETY: as above.
             unsafe { (base as *mut u64).add(2).write(word) };
             let replayed = replays.replay(&start, &memory, &mut again);
-            assert_eq!(replayed.map(|w| w.len), (len > 0).then_some(len), "word {word:#x}");
+            assert_eq!(replayed.map(|(w, _)| w.len), (len > 0).then_some(len), "word {word:#x}");
         }
         drop(stack_words);
     }

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use corsnap_abi::event_walk::{walk_own_stack, OwnStackCopy};
+use corsnap_abi::event_walk::{frames_hash, walk_own_stack, OwnStackCopy};
 use corsnap_abi::{ClassID, CorProfilerInfo, ThreadID};
 use corsnap_wire::EventKind;
 
@@ -266,7 +266,7 @@ pub struct Captured {
 /// unwinder when `native` and it can serve, else `DoStackSnapshot`.
 pub fn capture_own_stack(info: &CorProfilerInfo, native: bool, thread: ThreadID) -> Captured {
     if native {
-        let walked = walk_own_stack(thread as u64, 0, |frames, walk, copy| Captured {
+        let walked = walk_own_stack(thread as u64, 0, |frames, walk, copy, _| Captured {
             frames: frames.to_vec(),
             truncated: walk.flags & corsnap_unwind::flags::TRUNCATED != 0,
             raw: Some(RawWalk { flags: walk.flags, copy }),
@@ -310,12 +310,29 @@ struct Tallied {
     first_ns: u64,
 }
 
-/// Tally keys are 30 to 60 words hashed at every event. foldhash's fixed
-/// state hashes them four lanes at a time (the hasher before, one multiply
-/// chain a word, was over a tenth of corsnap's time in an exception storm);
-/// its keys come from the runtime, not from an adversary, so a fixed seed
-/// does.
-type TallyShard = HashMap<Box<[u64]>, Tallied, foldhash::fast::FixedState>;
+/// A tallied stack: its key, the key's hash ([`key_hash`]) and its count.
+#[derive(Debug)]
+struct TallyEntry {
+    hash: u64,
+    key: Box<[u64]>,
+    tallied: Tallied,
+}
+
+/// Tally keys are 30 to 60 words, met at every event. Their hash is the
+/// head's words and the frames' hash ([`frames_hash`]), which a replayed
+/// walk brings with it (remembered with the kept walk), so an event from a
+/// place seen before hashes six words, not the whole key: hashing every
+/// key in full, four lanes at a time, was a third of the tally's time in
+/// an exception storm (`validate`, .NET 8, under `perf`). hashbrown's
+/// table takes the hash as given.
+type TallyShard = hashbrown::HashTable<TallyEntry>;
+
+/// A tally key's hash: its head, then [`frames_hash`] of its frames.
+fn key_hash(key: &[u64], frames_hash: u64) -> u64 {
+    use std::hash::BuildHasher;
+    let head = key.get(..KEY_HEAD).unwrap_or(key);
+    foldhash::fast::FixedState::default().hash_one((head, frames_hash))
+}
 
 /// A tally shard on cache lines of its own: each thread locks its own shard
 /// at every event, and shards side by side passed their shared line between
@@ -356,7 +373,7 @@ pub struct EventQueue {
 /// floor would otherwise walk unknown code, and copy stacks, for ever.
 pub fn walk_own_stack_only(queue: &EventQueue, info: &CorProfilerInfo, native: bool, thread: ThreadID) {
     if native {
-        let walked = walk_own_stack(thread as u64, 0, |frames, walk, copy| {
+        let walked = walk_own_stack(thread as u64, 0, |frames, walk, copy, _| {
             if copy.is_some() {
                 queue.push(PendingEvent {
                     kind: EventKind::Exceptions,
@@ -542,7 +559,7 @@ impl EventQueue {
         (word, named): (u64, u64),
         now_ns: impl Fn() -> u64,
     ) -> bool {
-        walk_own_stack(thread as u64, KEY_HEAD, |words, walk, copy| {
+        walk_own_stack(thread as u64, KEY_HEAD, |words, walk, copy, frames_hash| {
             let truncated = walk.flags & corsnap_unwind::flags::TRUNCATED != 0;
             if copy.is_some() {
                 // Met code not known yet: its frames past that code are
@@ -564,7 +581,7 @@ impl EventQueue {
             }
             let form = (truncated as u64 * TRUNCATED_BIT) | RAW_BIT | named | (u64::from(walk.flags) << 8);
             words[..KEY_HEAD].copy_from_slice(&[kind as u64, thread as u64, os_tid as u64, word, form]);
-            self.tally(kind, now_ns, thread, words);
+            self.tally_hashed(kind, now_ns, thread, words, frames_hash);
         })
         .is_ok()
     }
@@ -573,16 +590,32 @@ impl EventQueue {
     /// frames); the time is taken only for a stack not seen since the last
     /// [`EventQueue::take`].
     fn tally(&self, kind: EventKind, now_ns: impl FnOnce() -> u64, thread: ThreadID, key: &[u64]) {
+        self.tally_hashed(kind, now_ns, thread, key, frames_hash(key.get(KEY_HEAD..).unwrap_or_default()));
+    }
+
+    /// [`Self::tally`] with [`frames_hash`] of the key's frames already
+    /// known (a replayed walk's is remembered with it): the key is hashed
+    /// by its head and that, not word by word.
+    fn tally_hashed(
+        &self,
+        kind: EventKind,
+        now_ns: impl FnOnce() -> u64,
+        thread: ThreadID,
+        key: &[u64],
+        frames_hash: u64,
+    ) {
+        let hash = key_hash(key, frames_hash);
         let mut shard = self.tally[tally_shard(thread)].lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(tallied) = shard.get_mut(key) {
-            tallied.count += 1;
+        if let Some(entry) = shard.find_mut(hash, |entry| entry.hash == hash && *entry.key == *key) {
+            entry.tallied.count += 1;
             return;
         }
         if shard.len() >= MAX_PENDING / TALLY_SHARDS {
             self.dropped.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        shard.insert(key.into(), Tallied { kind, count: 1, first_ns: now_ns() });
+        let entry = TallyEntry { hash, key: key.into(), tallied: Tallied { kind, count: 1, first_ns: now_ns() } };
+        shard.insert_unique(hash, entry, |entry| entry.hash);
     }
 
     pub fn push(&self, event: PendingEvent) {
@@ -600,7 +633,7 @@ impl EventQueue {
         let mut events = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|p| p.into_inner()));
         for shard in &self.tally {
             let tallied = std::mem::take(&mut *shard.lock().unwrap_or_else(|p| p.into_inner()));
-            events.extend(tallied.into_iter().map(|(key, t)| PendingEvent {
+            events.extend(tallied.into_iter().map(|TallyEntry { key, tallied: t, .. }| PendingEvent {
                 kind: t.kind,
                 time_ns: t.first_ns,
                 thread: key[1] as ThreadID,

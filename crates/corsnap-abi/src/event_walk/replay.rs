@@ -68,6 +68,10 @@ struct Kept {
     differed: usize,
     walk: Walk,
     frames: [u64; FRAMES],
+    /// [`super::frames_hash`] of its frames as the caller got them (the
+    /// leading native frames cut), 0 until the first caller asked: the
+    /// event tally's hash of a replayed stack, not computed again.
+    frames_hash: u64,
 }
 
 impl Kept {
@@ -78,13 +82,16 @@ impl Kept {
         if reads.get(self.differed).is_some_and(|read| !same(read)) {
             return false;
         }
-        match reads.iter().position(|read| !same(read)) {
-            Some(i) => {
-                self.differed = i;
-                false
-            }
-            None => true,
+        // All of them at once, with no branch a word: on `validate` the
+        // loop that stopped at the first difference spent more time than
+        // its loads (a bounds check, a branch and spilled registers each).
+        if memory.stack_words_hold(reads) {
+            return true;
         }
+        if let Some(i) = reads.iter().position(|read| !same(read)) {
+            self.differed = i;
+        }
+        false
     }
 }
 
@@ -106,13 +113,15 @@ impl Replays {
             differed: 0,
             walk: Walk::default(),
             frames: [0; FRAMES],
+            frames_hash: 0,
         };
         Replays { kept: Box::new(std::array::from_fn(|_| empty())), next: 0, last: 0 }
     }
 
     /// A kept walk from `start` whose every read still finds what it
-    /// found: its frames written to `out`, and the walk.
-    pub(super) fn replay(&mut self, start: &Start, memory: &LiveMemory<'_>, out: &mut [u64]) -> Option<Walk> {
+    /// found: its frames written to `out`, the walk, and which kept walk
+    /// it was (for [`Self::frames_hash`]).
+    pub(super) fn replay(&mut self, start: &Start, memory: &LiveMemory<'_>, out: &mut [u64]) -> Option<(Walk, usize)> {
         let last = self.last;
         let i = (0..KEPT).map(|k| (last + k) % KEPT).find(|&i| {
             let kept = &mut self.kept[i];
@@ -121,18 +130,30 @@ impl Replays {
         self.last = i;
         let kept = &self.kept[i];
         out.get_mut(..kept.walk.len)?.copy_from_slice(&kept.frames[..kept.walk.len]);
-        Some(kept.walk)
+        Some((kept.walk, i))
+    }
+
+    /// The hash of the frames the caller gets from kept walk `kept`
+    /// (`frames`, which the caller cut the same way at every replay of
+    /// it), computed at its first replay or keeping and remembered.
+    pub(super) fn frames_hash(&mut self, kept: usize, frames: &[u64]) -> u64 {
+        let kept = &mut self.kept[kept];
+        if kept.frames_hash == 0 {
+            kept.frames_hash = super::frames_hash(frames);
+        }
+        kept.frames_hash
     }
 
     /// Walks from `start` with `walk`, given a memory that notes the words
-    /// it reads, and keeps the walk if it can be replayed.
+    /// it reads, and keeps the walk if it can be replayed (then also which
+    /// kept walk holds it).
     pub(super) fn walk_and_keep<'m, 'a>(
         &mut self,
         start: Start,
         memory: &'m LiveMemory<'a>,
         out: &mut [u64],
         walk: impl FnOnce(&Recorded<'m, 'a, '_>, &mut [u64]) -> Walk,
-    ) -> Walk {
+    ) -> (Walk, Option<usize>) {
         let kept = &mut self.kept[self.next];
         kept.start = None;
         let recorded = Recorded {
@@ -167,10 +188,13 @@ impl Replays {
             kept.frames[..result.len].copy_from_slice(&out[..result.len]);
             kept.walk = result;
             kept.start = Some(start);
+            kept.frames_hash = 0;
+            let index = self.next;
             self.last = self.next;
             self.next = (self.next + 1) % KEPT;
+            return (result, Some(index));
         }
-        result
+        (result, None)
     }
 }
 
