@@ -271,7 +271,9 @@ impl Drop for Borrowed {
 /// thread (its `ThreadID`), for undoing a hijacked return address. When the
 /// walk met code the map does not know, `use_walk` also gets the stack to
 /// walk again. Last, it gets [`frames_hash`] of the frames, remembered with
-/// a kept walk and not computed again when it is replayed.
+/// a kept walk and not computed again when it is replayed. A replayed
+/// walk's frames are handed over where the walker keeps them: `use_walk`
+/// may write the head words, and must leave the frames as they are.
 #[inline(never)]
 pub fn walk_own_stack<R>(
     runtime_thread: u64,
@@ -357,69 +359,73 @@ pub fn walk_own_stack<R>(
     };
     let memory = LiveMemory { stack: stack.clone(), map, runtime_thread };
     let Walker { cache, words, counts, replays, .. } = walker;
-    let out = &mut words[HEAD_ROOM..];
     let start = replay::Start::new(map.generation(), regs, &stack, runtime_thread);
-    let (mut walk, replayed, kept) = match replays.replay(&start, &memory, out) {
-        Some((walk, kept)) => (walk, true, Some(kept)),
-        None => {
-            let (walk, kept) = replays.walk_and_keep(start, &memory, out, |recorded, out| {
-                corsnap_unwind::walk(map, recorded, regs, cache, out)
+    let result = if let Some(kept) = replays.replay(&start, &memory) {
+        // Its frames are handed over where they are kept, with no copy. A
+        // replayed walk took no frame from a path or a last walk: it was
+        // not made.
+        let (walk, found, used, hash) = replays.replayed(kept, head);
+        for (count, add) in counts.iter_mut().zip([1, found, 0, 0, 1]) {
+            *count += add as u64;
+        }
+        use_walk(used, walk, None, hash)
+    } else {
+        let out = &mut words[HEAD_ROOM..];
+        // Frames of native code at the leaf are corsnap's own and the
+        // runtime's plumbing between the event and the code it happened in
+        // (counted by the walk when its way in was all table rules).
+        let trim = |walk: &mut Walk, out: &mut [u64]| {
+            let leading = walk.entry_frames.unwrap_or_else(|| {
+                out[..walk.len].iter().take_while(|&&f| map.native_at(lookup_address(f)).is_some()).count()
             });
-            // Not in a signal handler: the callback's thread keeps what the
-            // walk taught (one leaf stretch at most, and the return
-            // addresses looked up in full; a later event from the same
-            // place takes its path instead).
-            map.keep_learned(cache);
-            (walk, false, kept)
-        }
-    };
-    // A replayed walk took no frame from a path or a last walk: it was not
-    // made.
-    let (path_frames, rest_frames) = if replayed { (0, 0) } else { (walk.path_frames, walk.rest_frames) };
-    for (count, add) in counts.iter_mut().zip([1, walk.len, path_frames, rest_frames, usize::from(replayed)]) {
-        *count += add as u64;
-    }
-    // Frames of native code at the leaf are corsnap's own and the runtime's
-    // plumbing between the event and the code it happened in (counted by
-    // the walk when its way in was all table rules).
-    let leading = walk
-        .entry_frames
-        .unwrap_or_else(|| out[..walk.len].iter().take_while(|&&f| map.native_at(lookup_address(f)).is_some()).count());
-    out.copy_within(leading..walk.len, 0);
-    walk.len -= leading;
-    walk.known_frames = walk.known_frames.saturating_sub(leading);
-    walk.splice = walk.splice.and_then(|(i, at)| Some((i.checked_sub(leading)?, at)));
-    let mut copy = None;
-    if walk.flags & corsnap_unwind::flags::UNKNOWN_CODE != 0 {
-        let stack_words = ((stack.end - regs.sp) / 8) as usize;
-        let kept_words = if walk.flags & corsnap_unwind::flags::COMPLETE != 0 {
-            (((walk.sp.saturating_sub(regs.sp)) / 8) as usize + COPY_SLACK_WORDS).min(MAX_COPY_WORDS)
-        } else {
-            LOST_COPY_WORDS
+            out.copy_within(leading..walk.len, 0);
+            walk.len -= leading;
+            walk.known_frames = walk.known_frames.saturating_sub(leading);
+            walk.splice = walk.splice.and_then(|(i, at)| Some((i.checked_sub(leading)?, at)));
         };
-        let kept_words = kept_words.min(stack_words);
-        let mut kept = Vec::with_capacity(kept_words);
-        // As the signal handler's copies: a hijack the walk stepped over by
-        // a guess is put back too.
-        let mut hijack = crate::signal::CopyHijack::new(walk.undone_hijack, &memory);
-        for i in 0..kept_words {
-            kept.push(memory.copied_word(regs.sp, i, &mut hijack));
+        let (walk, found) = replays.walk_and_keep(
+            start,
+            &memory,
+            out,
+            |recorded, out| corsnap_unwind::walk(map, recorded, regs, cache, out),
+            trim,
+        );
+        // Not in a signal handler: the callback's thread keeps what the
+        // walk taught (one leaf stretch at most, and the return addresses
+        // looked up in full; a later event from the same place takes its
+        // path instead).
+        map.keep_learned(cache);
+        for (count, add) in counts.iter_mut().zip([1, found, walk.path_frames, walk.rest_frames, 0]) {
+            *count += add as u64;
         }
-        copy = Some(OwnStackCopy { regs, words: kept, splice: walk.splice.map(|(i, at)| (i, at.sp)) });
-        // The agent learns that code when it takes this event: the sooner,
-        // the fewer events need a copy.
-        if !CODE_UNKNOWN.swap(true, Ordering::Relaxed) {
-            WAKE_WANTED.store(true, Ordering::Relaxed);
+        let mut copy = None;
+        if walk.flags & corsnap_unwind::flags::UNKNOWN_CODE != 0 {
+            let stack_words = ((stack.end - regs.sp) / 8) as usize;
+            let kept_words = if walk.flags & corsnap_unwind::flags::COMPLETE != 0 {
+                (((walk.sp.saturating_sub(regs.sp)) / 8) as usize + COPY_SLACK_WORDS).min(MAX_COPY_WORDS)
+            } else {
+                LOST_COPY_WORDS
+            };
+            let kept_words = kept_words.min(stack_words);
+            let mut kept = Vec::with_capacity(kept_words);
+            // As the signal handler's copies: a hijack the walk stepped over by
+            // a guess is put back too.
+            let mut hijack = crate::signal::CopyHijack::new(walk.undone_hijack, &memory);
+            for i in 0..kept_words {
+                kept.push(memory.copied_word(regs.sp, i, &mut hijack));
+            }
+            copy = Some(OwnStackCopy { regs, words: kept, splice: walk.splice.map(|(i, at)| (i, at.sp)) });
+            // The agent learns that code when it takes this event: the sooner,
+            // the fewer events need a copy.
+            if !CODE_UNKNOWN.swap(true, Ordering::Relaxed) {
+                WAKE_WANTED.store(true, Ordering::Relaxed);
+            }
         }
-    }
-    let frames = out.get(..walk.len).unwrap_or_default();
-    let hash = match kept {
-        Some(kept) => replays.frames_hash(kept, frames),
-        None => frames_hash(frames),
+        let hash = frames_hash(out.get(..walk.len).unwrap_or_default());
+        let head = head.min(HEAD_ROOM);
+        let used = words.get_mut(HEAD_ROOM - head..HEAD_ROOM + walk.len).unwrap_or_default();
+        use_walk(used, &walk, copy, hash)
     };
-    let head = head.min(HEAD_ROOM);
-    let used = words.get_mut(HEAD_ROOM - head..HEAD_ROOM + walk.len).unwrap_or_default();
-    let result = use_walk(used, &walk, copy, hash);
     if borrowed.is_none() {
         walker.count_out();
     }
@@ -720,28 +726,57 @@ mod tests {
         let complete = Walk { len: 2, flags: corsnap_unwind::flags::COMPLETE, ..Walk::default() };
         // A stand-in walk that reads words 3 and 9 (and one outside the
         // stack) and finds two frames.
-        let walked = replays.walk_and_keep(start, &memory, &mut out, |m, out| {
-            out[0] = m.stack_word(base + 24).unwrap_or(0);
-            out[1] = m.stack_word(base + 72).unwrap_or(0);
-            assert_eq!(m.stack_word(base + 8 * 64), None);
-            complete
-        });
-        assert_eq!(walked, (complete, Some(0)));
-        let mut again = [0u64; 8];
-        assert_eq!(replays.replay(&start, &memory, &mut again), Some((complete, 0)));
-        // The frames' hash is computed once per kept walk and remembered.
-        assert_eq!(replays.frames_hash(0, &again[..2]), frames_hash(&again[..2]));
-        assert_eq!(replays.frames_hash(0, &[]), frames_hash(&again[..2]));
-        assert_eq!(again[..2], [0x1003, 0x1009]);
+        let no_trim = |_: &mut Walk, _: &mut [u64]| {};
+        let walked = replays.walk_and_keep(
+            start,
+            &memory,
+            &mut out,
+            |m, out| {
+                out[0] = m.stack_word(base + 24).unwrap_or(0);
+                out[1] = m.stack_word(base + 72).unwrap_or(0);
+                assert_eq!(m.stack_word(base + 8 * 64), None);
+                complete
+            },
+            no_trim,
+        );
+        assert_eq!(walked, (complete, 2));
+        let kept = replays.replay(&start, &memory).expect("replayed");
+        // The frames, after the head room asked for, and their hash.
+        let (walk, found, used, hash) = replays.replayed(kept, 1);
+        assert_eq!(
+            (*walk, found, &used[1..], hash),
+            (complete, 2, &[0x1003, 0x1009][..], frames_hash(&[0x1003, 0x1009]))
+        );
         let other = replay::Start { regs: Regs { ip: 2, ..start.regs }, ..start };
-        assert_eq!(replays.replay(&other, &memory, &mut again), None, "another place");
+        assert_eq!(replays.replay(&other, &memory), None, "another place");
         // SAFETY: a word of our own vector, read only through `memory`.
         unsafe { (base as *mut u64).add(9).write(7) };
-        assert_eq!(replays.replay(&start, &memory, &mut again), None, "a word read changed");
+        assert_eq!(replays.replay(&start, &memory), None, "a word read changed");
         // A walk that did not reach the root is not kept.
         let lost = Walk { flags: corsnap_unwind::flags::LOST, ..complete };
-        replays.walk_and_keep(other, &memory, &mut out, |_, _| lost);
-        assert_eq!(replays.replay(&other, &memory, &mut again), None);
+        replays.walk_and_keep(other, &memory, &mut out, |_, _| lost, no_trim);
+        assert_eq!(replays.replay(&other, &memory), None);
+        // A walk is kept as its caller cut it: the frames after the cut,
+        // found counting those before.
+        let three = Walk { len: 3, ..complete };
+        let cut_first = |walk: &mut Walk, out: &mut [u64]| {
+            out.copy_within(1..walk.len, 0);
+            walk.len -= 1;
+        };
+        let (cut, found) = replays.walk_and_keep(
+            other,
+            &memory,
+            &mut out,
+            |_, out| {
+                out[..3].copy_from_slice(&[0xa1, 0xa2, 0xa3]);
+                three
+            },
+            cut_first,
+        );
+        assert_eq!((cut.len, found, &out[..2]), (2, 3, &[0xa2, 0xa3][..]));
+        let kept = replays.replay(&other, &memory).expect("replayed");
+        let (walk, found, used, hash) = replays.replayed(kept, 0);
+        assert_eq!((walk.len, found, &*used, hash), (2, 3, &[0xa2, 0xa3][..], frames_hash(&[0xa2, 0xa3])));
         // Two walks kept from one start (a thread that throws from two
         // places at one depth), told apart by a word: each is replayed
         // while the stack holds its own.
@@ -753,13 +788,13 @@ mod tests {
         for (word, len) in [(0xa, 1), (0xb, 2)] {
             // SAFETY: as above.
             unsafe { (base as *mut u64).add(2).write(word) };
-            replays.walk_and_keep(start, &memory, &mut out, |m, out| read_word_2(m, out, len));
+            replays.walk_and_keep(start, &memory, &mut out, |m, out| read_word_2(m, out, len), no_trim);
         }
         for (word, len) in [(0xa, 1), (0xb, 2), (0xb, 2), (0xa, 1), (0xc, 0)] {
             // SAFETY: as above.
             unsafe { (base as *mut u64).add(2).write(word) };
-            let replayed = replays.replay(&start, &memory, &mut again);
-            assert_eq!(replayed.map(|(w, _)| w.len), (len > 0).then_some(len), "word {word:#x}");
+            let replayed = replays.replay(&start, &memory).map(|kept| replays.replayed(kept, 0).0.len);
+            assert_eq!(replayed, (len > 0).then_some(len), "word {word:#x}");
         }
         drop(stack_words);
     }

@@ -34,6 +34,8 @@ use crate::signal::LiveMemory;
 const READS: usize = 160;
 /// Frames a kept walk may have.
 const FRAMES: usize = 128;
+/// Words kept before a kept walk's frames, for the caller's head.
+const HEAD_ROOM: usize = super::HEAD_ROOM;
 /// Walks each walker keeps (a thread's kinds of event, and the places they
 /// happen at): with two, 5% of `validate`'s walks on .NET 10 were made
 /// again (three stacks from one start took turns), with four 0.03%.
@@ -66,11 +68,15 @@ struct Kept {
     /// share most of their words, the leaf's end first, and each event
     /// checked the other's kept walk that far before its own.
     differed: usize,
+    /// The walk as its caller got it (cut by `trim`, see
+    /// [`Replays::walk_and_keep`]), and how many frames it had before.
     walk: Walk,
-    frames: [u64; FRAMES],
-    /// [`super::frames_hash`] of its frames as the caller got them (the
-    /// leading native frames cut), 0 until the first caller asked: the
-    /// event tally's hash of a replayed stack, not computed again.
+    found: usize,
+    /// Head room, then the walk's frames as its caller got them: a replay
+    /// hands the caller this, with no copy.
+    words: [u64; HEAD_ROOM + FRAMES],
+    /// [`super::frames_hash`] of its frames: the event tally's hash of a
+    /// replayed stack, not computed again.
     frames_hash: u64,
 }
 
@@ -112,48 +118,47 @@ impl Replays {
             read_count: 0,
             differed: 0,
             walk: Walk::default(),
-            frames: [0; FRAMES],
+            found: 0,
+            words: [0; HEAD_ROOM + FRAMES],
             frames_hash: 0,
         };
         Replays { kept: Box::new(std::array::from_fn(|_| empty())), next: 0, last: 0 }
     }
 
     /// A kept walk from `start` whose every read still finds what it
-    /// found: its frames written to `out`, the walk, and which kept walk
-    /// it was (for [`Self::frames_hash`]).
-    pub(super) fn replay(&mut self, start: &Start, memory: &LiveMemory<'_>, out: &mut [u64]) -> Option<(Walk, usize)> {
+    /// found: which one (for [`Self::replayed`]).
+    pub(super) fn replay(&mut self, start: &Start, memory: &LiveMemory<'_>) -> Option<usize> {
         let last = self.last;
         let i = (0..KEPT).map(|k| (last + k) % KEPT).find(|&i| {
             let kept = &mut self.kept[i];
             kept.start.as_ref() == Some(start) && kept.holds(memory)
         })?;
         self.last = i;
-        let kept = &self.kept[i];
-        out.get_mut(..kept.walk.len)?.copy_from_slice(&kept.frames[..kept.walk.len]);
-        Some((kept.walk, i))
+        Some(i)
     }
 
-    /// The hash of the frames the caller gets from kept walk `kept`
-    /// (`frames`, which the caller cut the same way at every replay of
-    /// it), computed at its first replay or keeping and remembered.
-    pub(super) fn frames_hash(&mut self, kept: usize, frames: &[u64]) -> u64 {
+    /// Kept walk `kept` as its caller got it: the walk, how many frames it
+    /// found before `trim`, its frames after `head` words of room (at most
+    /// [`HEAD_ROOM`]) the caller may fill, and their hash.
+    pub(super) fn replayed(&mut self, kept: usize, head: usize) -> (&Walk, usize, &mut [u64], u64) {
         let kept = &mut self.kept[kept];
-        if kept.frames_hash == 0 {
-            kept.frames_hash = super::frames_hash(frames);
-        }
-        kept.frames_hash
+        let used = HEAD_ROOM - head.min(HEAD_ROOM)..HEAD_ROOM + kept.walk.len;
+        (&kept.walk, kept.found, kept.words.get_mut(used).unwrap_or_default(), kept.frames_hash)
     }
 
     /// Walks from `start` with `walk`, given a memory that notes the words
-    /// it reads, and keeps the walk if it can be replayed (then also which
-    /// kept walk holds it).
+    /// it reads, into `out`, then lets `trim` cut the walk as the caller
+    /// wants it (the leading native frames; the same cut for the same
+    /// frames), and keeps the cut walk if it can be replayed. Returns the
+    /// cut walk and how many frames it found before the cut.
     pub(super) fn walk_and_keep<'m, 'a>(
         &mut self,
         start: Start,
         memory: &'m LiveMemory<'a>,
         out: &mut [u64],
         walk: impl FnOnce(&Recorded<'m, 'a, '_>, &mut [u64]) -> Walk,
-    ) -> (Walk, Option<usize>) {
+        trim: impl FnOnce(&mut Walk, &mut [u64]),
+    ) -> (Walk, usize) {
         let kept = &mut self.kept[self.next];
         kept.start = None;
         let recorded = Recorded {
@@ -162,15 +167,16 @@ impl Replays {
             count: Cell::new(0),
             replayable: Cell::new(true),
         };
-        let result = walk(&recorded, out);
+        let mut result = walk(&recorded, out);
         let read_count = recorded.count.get();
-        kept.differed = 0;
         let replayable = recorded.replayable.get()
             && result.flags & flags::COMPLETE != 0
             && result.flags & (flags::UNKNOWN_CODE | flags::LOST | flags::TRUNCATED | flags::HIJACKED) == 0
-            && result.undone_hijack.is_none()
-            && result.len <= FRAMES;
-        if replayable {
+            && result.undone_hijack.is_none();
+        let found = result.len;
+        trim(&mut result, out);
+        kept.differed = 0;
+        if replayable && result.len <= FRAMES {
             // Each word once, in the stack's order (leaf end first, where
             // two walks from one start differ): a walk reads some words twice
             // (a path's check, then the step), and loads in address order
@@ -185,16 +191,16 @@ impl Replays {
                 }
             }
             kept.read_count = distinct;
-            kept.frames[..result.len].copy_from_slice(&out[..result.len]);
+            let frames = &out[..result.len];
+            kept.words[HEAD_ROOM..HEAD_ROOM + frames.len()].copy_from_slice(frames);
+            kept.frames_hash = super::frames_hash(frames);
             kept.walk = result;
+            kept.found = found;
             kept.start = Some(start);
-            kept.frames_hash = 0;
-            let index = self.next;
             self.last = self.next;
             self.next = (self.next + 1) % KEPT;
-            return (result, Some(index));
         }
-        (result, None)
+        (result, found)
     }
 }
 
