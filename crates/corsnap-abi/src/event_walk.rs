@@ -110,11 +110,12 @@ struct Walker {
     cache: WalkCache,
     words: [u64; HEAD_ROOM + MAX_FRAMES],
     /// The bounds of its last walk's stack (the map's mapping cut to the
-    /// thread library's bounds), and the map generation they were found in:
-    /// a thread mostly borrows the same walker, and the search of the map's
-    /// stacks was cold at every event (the thread library's bounds, a
-    /// thread-local, cost a `__tls_get_addr` call each).
-    stack: Option<(u64, std::ops::Range<u64>)>,
+    /// thread library's bounds), the map generation they were found in and
+    /// the thread they are of (its `pthread_self`): a thread mostly borrows
+    /// the same walker, and the search of the map's stacks was cold at every
+    /// event (the thread library's bounds, a thread-local, cost a
+    /// `__tls_get_addr` call each).
+    stack: Option<(u64, u64, std::ops::Range<u64>)>,
     /// Its walks, their frames, the frames taken from remembered paths and
     /// from the last walk's deep end, and the walks replayed (plain counts:
     /// the walker is one walk's alone; summed into [`TOTALS`] when the pool
@@ -138,12 +139,15 @@ impl Walker {
     }
 
     /// The bounds its last walk found for the stack holding `sp`, in the
-    /// same map. Bounds are one thread's stack (stacks do not overlap), so
-    /// they serve whichever thread borrowed the walker, if they hold its
-    /// stack pointer.
-    fn last_stack(&self, generation: u64, sp: u64) -> Option<std::ops::Range<u64>> {
-        let (found_in, stack) = self.stack.as_ref()?;
-        (*found_in == generation && stack.contains(&sp)).then(|| stack.clone())
+    /// same map, if that walk was `thread`'s. (By thread, not only by stack
+    /// pointer: a thread that ended may leave its place to another whose
+    /// stack overlaps its own and ends elsewhere. A thread pointer is in its
+    /// stack's mapping, at its top end, so a later thread with the same
+    /// pointer has a stack that ends where the bounds do, and a walk reads
+    /// only from its stack pointer up.)
+    fn last_stack(&self, generation: u64, thread: u64, sp: u64) -> Option<std::ops::Range<u64>> {
+        let (found_in, found_by, stack) = self.stack.as_ref()?;
+        (*found_in == generation && *found_by == thread && stack.contains(&sp)).then(|| stack.clone())
     }
 
     /// Adds its counts to [`TOTALS`].
@@ -328,7 +332,10 @@ pub fn walk_own_stack<R>(
     // are the stack's own (asked once per thread), so the walk, and a copy
     // of an incomplete one (up to 32 KiB above the stack pointer), never
     // read past them.
-    let stack = match walker.last_stack(map.generation(), regs.sp) {
+    // SAFETY: pthread_self has no preconditions; glibc's reads the thread
+    // pointer.
+    let thread = unsafe { libc::pthread_self() } as u64;
+    let stack = match walker.last_stack(map.generation(), thread, regs.sp) {
         Some(stack) => stack,
         None => {
             let own = own_thread_stack(regs.sp);
@@ -353,7 +360,7 @@ pub fn walk_own_stack<R>(
                     return Err(OwnWalkError::UnknownStack);
                 }
             };
-            walker.stack = Some((map.generation(), stack.clone()));
+            walker.stack = Some((map.generation(), thread, stack.clone()));
             stack
         }
     };
