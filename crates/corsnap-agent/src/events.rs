@@ -468,8 +468,8 @@ fn subject_of(word: u64, named: u64) -> Subject {
 
 /// The calling thread's tally shard: dealt in turn at its first event, so
 /// the first eight threads that count events each have their own. Picked
-/// by a hash of the thread, as before, two threads shared one in one run in
-/// eight: in one such `validate` run on .NET 10, the tally's lock, passed
+/// by a hash of the thread, as before, two threads shared one with a chance
+/// of one in eight: in one such `validate` run on .NET 10, the tally's lock, passed
 /// between the two workers' cores at every throw, was 2.7% of the CPU,
 /// against 0.5% in the runs before and after. No destructor: one would
 /// pin the agent's library after a detach.
