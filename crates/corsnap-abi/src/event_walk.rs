@@ -390,7 +390,7 @@ pub fn walk_own_stack<R>(
             walk.known_frames = walk.known_frames.saturating_sub(leading);
             walk.splice = walk.splice.and_then(|(i, at)| Some((i.checked_sub(leading)?, at)));
         };
-        let (walk, found) = replays.walk_and_keep(
+        let (walk, found, hash) = replays.walk_and_keep(
             start,
             &memory,
             out,
@@ -428,7 +428,6 @@ pub fn walk_own_stack<R>(
                 WAKE_WANTED.store(true, Ordering::Relaxed);
             }
         }
-        let hash = frames_hash(out.get(..walk.len).unwrap_or_default());
         let head = head.min(HEAD_ROOM);
         let used = words.get_mut(HEAD_ROOM - head..HEAD_ROOM + walk.len).unwrap_or_default();
         use_walk(used, &walk, copy, hash)
@@ -746,7 +745,7 @@ mod tests {
             },
             no_trim,
         );
-        assert_eq!(walked, (complete, 2));
+        assert_eq!(walked, (complete, 2, frames_hash(&[0x1003, 0x1009])));
         let kept = replays.replay(&start, &memory).expect("replayed");
         // The frames, after the head room asked for, and their hash.
         let (walk, found, used, hash) = replays.replayed(kept, 1);
@@ -770,7 +769,7 @@ mod tests {
             out.copy_within(1..walk.len, 0);
             walk.len -= 1;
         };
-        let (cut, found) = replays.walk_and_keep(
+        let (cut, found, hash) = replays.walk_and_keep(
             other,
             &memory,
             &mut out,
@@ -780,7 +779,7 @@ mod tests {
             },
             cut_first,
         );
-        assert_eq!((cut.len, found, &out[..2]), (2, 3, &[0xa2, 0xa3][..]));
+        assert_eq!((cut.len, found, &out[..2], hash), (2, 3, &[0xa2, 0xa3][..], frames_hash(&[0xa2, 0xa3])));
         let kept = replays.replay(&other, &memory).expect("replayed");
         let (walk, found, used, hash) = replays.replayed(kept, 0);
         assert_eq!((walk.len, found, &*used, hash), (2, 3, &[0xa2, 0xa3][..], frames_hash(&[0xa2, 0xa3])));

@@ -150,7 +150,8 @@ impl Replays {
     /// it reads, into `out`, then lets `trim` cut the walk as the caller
     /// wants it (the leading native frames; the same cut for the same
     /// frames), and keeps the cut walk if it can be replayed. Returns the
-    /// cut walk and how many frames it found before the cut.
+    /// cut walk, how many frames it found before the cut, and the cut
+    /// frames' hash ([`super::frames_hash`]).
     pub(super) fn walk_and_keep<'m, 'a>(
         &mut self,
         start: Start,
@@ -158,7 +159,7 @@ impl Replays {
         out: &mut [u64],
         walk: impl FnOnce(&Recorded<'m, 'a, '_>, &mut [u64]) -> Walk,
         trim: impl FnOnce(&mut Walk, &mut [u64]),
-    ) -> (Walk, usize) {
+    ) -> (Walk, usize, u64) {
         let kept = &mut self.kept[self.next];
         kept.start = None;
         let recorded = Recorded {
@@ -175,6 +176,7 @@ impl Replays {
             && result.undone_hijack.is_none();
         let found = result.len;
         trim(&mut result, out);
+        let hash = super::frames_hash(out.get(..result.len).unwrap_or_default());
         kept.differed = 0;
         if replayable && result.len <= FRAMES {
             // Each word once, in the stack's order (leaf end first, where
@@ -193,14 +195,14 @@ impl Replays {
             kept.read_count = distinct;
             let frames = &out[..result.len];
             kept.words[HEAD_ROOM..HEAD_ROOM + frames.len()].copy_from_slice(frames);
-            kept.frames_hash = super::frames_hash(frames);
+            kept.frames_hash = hash;
             kept.walk = result;
             kept.found = found;
             kept.start = Some(start);
             self.last = self.next;
             self.next = (self.next + 1) % KEPT;
         }
-        (result, found)
+        (result, found, hash)
     }
 }
 
