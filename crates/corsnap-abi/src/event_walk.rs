@@ -65,6 +65,8 @@ use crate::signal::{LiveMemory, MAX_FRAMES};
 
 mod replay;
 
+pub use replay::Repeats;
+
 /// The map event walks read; replaced whole, freed only when no walk runs.
 static MAP: AtomicPtr<CodeMap> = AtomicPtr::new(null_mut());
 /// A thread's count of its walks running now.
@@ -267,22 +269,37 @@ impl Drop for Borrowed {
     }
 }
 
-/// Walks the calling thread's stack, leaf first, and hands the frames to
-/// `use_walk`: raw frames as the signal engine's, the leading native frames
-/// (corsnap's own and the runtime's, between the callback and the code the
-/// event happened in) left out, after `head` words (at most [`HEAD_ROOM`])
-/// the caller may fill. `runtime_thread` is the runtime's object for this
-/// thread (its `ThreadID`), for undoing a hijacked return address. When the
-/// walk met code the map does not know, `use_walk` also gets the stack to
-/// walk again. Last, it gets [`frames_hash`] of the frames, remembered with
-/// a kept walk and not computed again when it is replayed. A replayed
-/// walk's frames are handed over where the walker keeps them: `use_walk`
-/// may write the head words, and must leave the frames as they are.
+/// A walk of one's own stack, as [`walk_own_stack`] hands it over.
+#[derive(Debug)]
+pub struct OwnWalk<'w> {
+    /// `head` words the caller may fill, then the frames: raw frames as the
+    /// signal engine's, the leading native frames (corsnap's own and the
+    /// runtime's, between the callback and the code the event happened in)
+    /// left out. A replayed walk's are where the walker keeps them: the
+    /// caller may write the head, and must leave the frames as they are.
+    pub words: &'w mut [u64],
+    pub walk: &'w Walk,
+    /// The stack to walk again, when the walk met code the map does not
+    /// know.
+    pub copy: Option<OwnStackCopy>,
+    /// [`frames_hash`] of the frames (remembered with a kept walk, not
+    /// computed again when it is replayed).
+    pub hash: u64,
+    /// For a replayed walk: the events its callers counted on it
+    /// ([`Repeats`]), which [`take_repeats`] hands on. The head a caller
+    /// wrote at the walk's last replay is still in `words`.
+    pub repeats: Option<&'w mut Repeats>,
+}
+
+/// Walks the calling thread's stack, leaf first, and hands it to `use_walk`
+/// ([`OwnWalk`]), with `head` words (at most [`HEAD_ROOM`]) before the
+/// frames for the caller. `runtime_thread` is the runtime's object for this
+/// thread (its `ThreadID`), for undoing a hijacked return address.
 #[inline(never)]
 pub fn walk_own_stack<R>(
     runtime_thread: u64,
     head: usize,
-    use_walk: impl FnOnce(&mut [u64], &Walk, Option<OwnStackCopy>, u64) -> R,
+    use_walk: impl FnOnce(OwnWalk<'_>) -> R,
 ) -> Result<R, OwnWalkError> {
     // No map, no walk, and nothing borrowed or made for it.
     if MAP.load(Ordering::Relaxed).is_null() {
@@ -371,11 +388,11 @@ pub fn walk_own_stack<R>(
         // Its frames are handed over where they are kept, with no copy. A
         // replayed walk took no frame from a path or a last walk: it was
         // not made.
-        let (walk, found, used, hash) = replays.replayed(kept, head);
+        let (walk, found, words, hash, repeats) = replays.replayed(kept, head);
         for (count, add) in counts.iter_mut().zip([1, found, 0, 0, 1]) {
             *count += add as u64;
         }
-        use_walk(used, walk, None, hash)
+        use_walk(OwnWalk { words, walk, copy: None, hash, repeats: Some(repeats) })
     } else {
         let out = &mut words[HEAD_ROOM..];
         // Frames of native code at the leaf are corsnap's own and the
@@ -429,8 +446,8 @@ pub fn walk_own_stack<R>(
             }
         }
         let head = head.min(HEAD_ROOM);
-        let used = words.get_mut(HEAD_ROOM - head..HEAD_ROOM + walk.len).unwrap_or_default();
-        use_walk(used, &walk, copy, hash)
+        let words = words.get_mut(HEAD_ROOM - head..HEAD_ROOM + walk.len).unwrap_or_default();
+        use_walk(OwnWalk { words, walk: &walk, copy, hash, repeats: None })
     };
     if borrowed.is_none() {
         walker.count_out();
@@ -539,6 +556,37 @@ pub fn take_stacks_stale() -> bool {
 /// (true once per stale map: one load when there is nothing to do).
 pub fn take_wake_request() -> bool {
     WAKE_WANTED.load(Ordering::Relaxed) && WAKE_WANTED.swap(false, Ordering::Relaxed)
+}
+
+/// Hands `take` the events callers counted on the pooled walkers' kept
+/// walks ([`Repeats`]): each as its key, the hash of its frames, its count
+/// and its first event's time. A walker lent out is passed over, or waited
+/// for until `deadline` (the last take before the walkers are collected).
+/// The agent's thread only: a walker is taken out of the pool while its
+/// counts are read (a walk wanting it takes another), and
+/// [`EventMap::uninstall`] frees the walkers on the same thread.
+pub fn take_repeats(deadline: Option<Instant>, mut take: impl FnMut(&[u64], u64, u64, u64)) {
+    if !INSTALLED.load(Ordering::SeqCst) {
+        return;
+    }
+    for slot in &CACHE_POOL {
+        let walker = loop {
+            // SeqCst as a walk's borrow; the walk's giving back is a release.
+            let walker = slot.0.swap(null_mut(), Ordering::SeqCst);
+            if !walker.is_null() || deadline.is_none_or(|d| Instant::now() >= d) {
+                break walker;
+            }
+            std::thread::yield_now();
+        };
+        if walker.is_null() {
+            continue;
+        }
+        // SAFETY: taken out of the pool, the walker is this thread's alone
+        // until it is put back below; the pool's walkers are freed only by
+        // `leave`, on this thread.
+        unsafe { (*walker).replays.take_repeats(&mut take) };
+        slot.0.store(walker, Ordering::Release);
+    }
 }
 
 /// The agent's handle on what event walks read: publishes maps, frees
@@ -670,9 +718,9 @@ mod tests {
     #[inline(never)]
     fn deeper(depth: u32) -> Result<(Vec<u64>, Walk, bool), OwnWalkError> {
         if depth == 0 {
-            return walk_own_stack(0, 0, |frames, walk, copy, hash| {
-                assert_eq!(hash, frames_hash(frames));
-                (frames.to_vec(), *walk, copy.is_some())
+            return walk_own_stack(0, 0, |own| {
+                assert_eq!(own.hash, frames_hash(own.words));
+                (own.words.to_vec(), *own.walk, own.copy.is_some())
             });
         }
         let r = deeper(depth - 1);
@@ -748,7 +796,7 @@ mod tests {
         assert_eq!(walked, (complete, 2, frames_hash(&[0x1003, 0x1009])));
         let kept = replays.replay(&start, &memory).expect("replayed");
         // The frames, after the head room asked for, and their hash.
-        let (walk, found, used, hash) = replays.replayed(kept, 1);
+        let (walk, found, used, hash, _) = replays.replayed(kept, 1);
         assert_eq!(
             (*walk, found, &used[1..], hash),
             (complete, 2, &[0x1003, 0x1009][..], frames_hash(&[0x1003, 0x1009]))
@@ -781,7 +829,7 @@ mod tests {
         );
         assert_eq!((cut.len, found, &out[..2], hash), (2, 3, &[0xa2, 0xa3][..], frames_hash(&[0xa2, 0xa3])));
         let kept = replays.replay(&other, &memory).expect("replayed");
-        let (walk, found, used, hash) = replays.replayed(kept, 0);
+        let (walk, found, used, hash, _) = replays.replayed(kept, 0);
         assert_eq!((walk.len, found, &*used, hash), (2, 3, &[0xa2, 0xa3][..], frames_hash(&[0xa2, 0xa3])));
         // Two walks kept from one start (a thread that throws from two
         // places at one depth), told apart by a word: each is replayed
@@ -802,6 +850,62 @@ mod tests {
             let replayed = replays.replay(&start, &memory).map(|kept| replays.replayed(kept, 0).0.len);
             assert_eq!(replayed, (len > 0).then_some(len), "word {word:#x}");
         }
+        drop(stack_words);
+    }
+
+    /// Events counted on a kept walk are taken as its key (the head its
+    /// caller wrote, then its frames) and count, once; a kept walk holding
+    /// counts is not replaced by a new walk until they are taken.
+    #[test]
+    fn events_counted_on_a_kept_walk_are_taken_once_and_never_lost() {
+        let map = own_code_map(true);
+        let mut stack_words: Vec<u64> = (0..16).map(|i| 0x1000 + i).collect();
+        let base = stack_words.as_mut_ptr() as u64;
+        let memory = LiveMemory { stack: base..base + 8 * 16, map: &map, runtime_thread: 0 };
+        let start_at = |ip| replay::Start::new(map.generation(), Regs { ip, sp: base, bp: 0 }, &memory.stack, 0);
+        let mut replays = replay::Replays::new();
+        let out = [0u64; 8];
+        let complete = Walk { len: 1, flags: corsnap_unwind::flags::COMPLETE, ..Walk::default() };
+        let keep = |replays: &mut replay::Replays, ip: u64| {
+            replays.walk_and_keep(
+                start_at(ip),
+                &memory,
+                &mut out.clone(),
+                |m, out| {
+                    out[0] = ip;
+                    m.stack_word(base + 8);
+                    complete
+                },
+                |_, _| {},
+            );
+        };
+        let taken = |replays: &mut replay::Replays| {
+            let mut taken = Vec::new();
+            replays.take_repeats(&mut |key: &[u64], hash, count, first| taken.push((key.to_vec(), hash, count, first)));
+            taken
+        };
+        keep(&mut replays, 1);
+        let kept = replays.replay(&start_at(1), &memory).expect("replayed");
+        let (_, _, words, _, repeats) = replays.replayed(kept, 2);
+        assert_eq!(*repeats, replay::Repeats::default(), "nothing counted on a walk just kept");
+        words[..2].copy_from_slice(&[0xe, 0xc]);
+        *repeats = replay::Repeats { head: 2, count: 3, first_ns: 77 };
+        // A kept walk's head stays where its caller wrote it.
+        let kept = replays.replay(&start_at(1), &memory).expect("replayed");
+        assert_eq!(&replays.replayed(kept, 2).2[..], &[0xe, 0xc, 1]);
+        // Four more walks from other places: the one holding counts stays.
+        for ip in 2..6 {
+            keep(&mut replays, ip);
+        }
+        assert!(replays.replay(&start_at(1), &memory).is_some(), "replaced while holding counts");
+        assert!(replays.replay(&start_at(2), &memory).is_none(), "the oldest without counts went");
+        assert_eq!(taken(&mut replays), vec![(vec![0xe, 0xc, 1], frames_hash(&[1]), 3, 77)]);
+        assert_eq!(taken(&mut replays), vec![], "taken once");
+        // Taken, its counts no longer hold it.
+        for ip in 6..10 {
+            keep(&mut replays, ip);
+        }
+        assert!(replays.replay(&start_at(1), &memory).is_none());
         drop(stack_words);
     }
 }

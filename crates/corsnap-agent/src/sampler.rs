@@ -36,6 +36,11 @@ const STATS_EVERY: Duration = Duration::from_secs(1);
 const SEND_EVERY: Duration = Duration::from_millis(50);
 /// ...or sooner, once this much is waiting.
 const SEND_AT_BYTES: usize = 256 * 1024;
+/// How often the events counted on the event walkers' kept walks are taken
+/// (as often as samples are sent): each take pulls every pooled walker's
+/// slot and counts to the agent's core, and the throwing thread's next event
+/// misses them.
+const REPEATS_EVERY: Duration = SEND_EVERY;
 
 /// The connection to the CLI. Writes use `MSG_NOSIGNAL`: a CLI that went away
 /// must cost us an error, not a `SIGPIPE` that kills the application.
@@ -238,6 +243,8 @@ struct SamplerLoop {
     /// Names event stacks walked by corsnap's own unwinder (`--walker
     /// native`); `None` when events are walked by `DoStackSnapshot`.
     event_walker: Option<EventWalker>,
+    /// When the events counted on the event walkers are next taken.
+    next_repeats: Instant,
     /// Whether each `FunctionID` met at the top of an exception's stack is
     /// the runtime's managed exception dispatch.
     dispatch_functions: HashMap<u64, bool>,
@@ -284,6 +291,7 @@ impl SamplerLoop {
             signal,
             records_events,
             event_walker,
+            next_repeats: Instant::now(),
             dispatch_functions: HashMap::new(),
             event_verification: WalkVerification::default(),
             verify: std::env::var("CORSNAP_VERIFY_WALKS").is_ok_and(|v| v == "1").then(WalkVerification::default),
@@ -341,7 +349,7 @@ impl SamplerLoop {
                 let suspended = self.verify_round();
                 next_verify = Instant::now() + if suspended { VERIFY_EVERY } else { VERIFY_RETRY };
             }
-            self.publish_events();
+            self.publish_events(None);
             let posted = std::mem::take(&mut *self.shared.outbox.lock().unwrap_or_else(|p| p.into_inner()));
             send_now |= !posted.is_empty();
             for msg in &posted {
@@ -375,7 +383,9 @@ impl SamplerLoop {
             signal.stop(&mut self.recorder);
         }
         self.suspend.stop(&mut self.recorder);
-        self.publish_events();
+        // The last events counted on the event walkers: one lent to a walk
+        // now is back within microseconds.
+        self.publish_events(Some(Instant::now() + Duration::from_millis(100)));
         if let Some(walker) = self.event_walker.as_mut() {
             walker.stop();
         }
@@ -520,9 +530,15 @@ impl SamplerLoop {
     }
 
     /// Sends what the runtime's callbacks queued: exceptions, class loads,
-    /// collections.
-    fn publish_events(&mut self) {
+    /// collections. `last`: until when to wait for an event walker lent to
+    /// a walk, whose counted events would otherwise wait for the next take.
+    fn publish_events(&mut self, last: Option<Instant>) {
         if let Some(walker) = self.event_walker.as_mut() {
+            let now = Instant::now();
+            if last.is_some() || now >= self.next_repeats {
+                self.next_repeats = now + REPEATS_EVERY;
+                self.shared.events.take_repeats(last);
+            }
             let announced = self.shared.threads_changed_for_events.swap(false, std::sync::atomic::Ordering::Relaxed);
             let compiled =
                 std::mem::take(&mut *self.shared.jitted_for_events.lock().unwrap_or_else(|p| p.into_inner()));

@@ -204,30 +204,6 @@ impl CopyHijack {
     }
 }
 
-impl LiveMemory<'_> {
-    /// Whether every `(address, word)` of `reads` is in the stack and holds
-    /// that word: every word read and compared, with no branch until the
-    /// end (the reads are independent, so their loads overlap). An address
-    /// outside the stack reads the nearest word inside it instead and
-    /// counts as a difference.
-    pub(crate) fn stack_words_hold(&self, reads: &[(u64, u64)]) -> bool {
-        let Some(last) = self.stack.end.checked_sub(8) else { return reads.is_empty() };
-        if last < self.stack.start {
-            return reads.is_empty();
-        }
-        let mut differs = 0u64;
-        for &(address, word) in reads {
-            let inside = address.clamp(self.stack.start, last);
-            // SAFETY: `inside` lies in the range, the mapping that holds this
-            // thread's stack pointer, which the thread runs on (as for
-            // `stack_word`): mapped.
-            let found = unsafe { (inside as *const u64).read_unaligned() };
-            differs |= (found ^ word) | (inside ^ address);
-        }
-        differs == 0
-    }
-}
-
 impl Memory for LiveMemory<'_> {
     fn stack_word(&self, addr: u64) -> Option<u64> {
         if addr < self.stack.start || addr > self.stack.end.checked_sub(8)? {
