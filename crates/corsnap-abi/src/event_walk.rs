@@ -294,11 +294,14 @@ pub struct OwnWalk<'w> {
 /// Walks the calling thread's stack, leaf first, and hands it to `use_walk`
 /// ([`OwnWalk`]), with `head` words (at most [`HEAD_ROOM`]) before the
 /// frames for the caller. `runtime_thread` is the runtime's object for this
-/// thread (its `ThreadID`), for undoing a hijacked return address.
+/// thread (its `ThreadID`), for undoing a hijacked return address. A kept
+/// walk replaced by this one hands its counted events ([`Repeats`]) to
+/// `spill` first, as [`take_repeats`] does.
 #[inline(never)]
 pub fn walk_own_stack<R>(
     runtime_thread: u64,
     head: usize,
+    mut spill: impl FnMut(&[u64], u64, u64, u64),
     use_walk: impl FnOnce(OwnWalk<'_>) -> R,
 ) -> Result<R, OwnWalkError> {
     // No map, no walk, and nothing borrowed or made for it.
@@ -413,6 +416,7 @@ pub fn walk_own_stack<R>(
             out,
             |recorded, out| corsnap_unwind::walk(map, recorded, regs, cache, out),
             trim,
+            &mut spill,
         );
         // Not in a signal handler: the callback's thread keeps what the
         // walk taught (one leaf stretch at most, and the return addresses
@@ -718,10 +722,15 @@ mod tests {
     #[inline(never)]
     fn deeper(depth: u32) -> Result<(Vec<u64>, Walk, bool), OwnWalkError> {
         if depth == 0 {
-            return walk_own_stack(0, 0, |own| {
-                assert_eq!(own.hash, frames_hash(own.words));
-                (own.words.to_vec(), *own.walk, own.copy.is_some())
-            });
+            return walk_own_stack(
+                0,
+                0,
+                |_, _, _, _| {},
+                |own| {
+                    assert_eq!(own.hash, frames_hash(own.words));
+                    (own.words.to_vec(), *own.walk, own.copy.is_some())
+                },
+            );
         }
         let r = deeper(depth - 1);
         std::hint::black_box(depth);
@@ -781,6 +790,7 @@ mod tests {
         // A stand-in walk that reads words 3 and 9 (and one outside the
         // stack) and finds two frames.
         let no_trim = |_: &mut Walk, _: &mut [u64]| {};
+        let mut no_spill = |_: &[u64], _, _, _| panic!("nothing counted to spill");
         let walked = replays.walk_and_keep(
             start,
             &memory,
@@ -792,6 +802,7 @@ mod tests {
                 complete
             },
             no_trim,
+            &mut no_spill,
         );
         assert_eq!(walked, (complete, 2, frames_hash(&[0x1003, 0x1009])));
         let kept = replays.replay(&start, &memory).expect("replayed");
@@ -808,7 +819,7 @@ mod tests {
         assert_eq!(replays.replay(&start, &memory), None, "a word read changed");
         // A walk that did not reach the root is not kept.
         let lost = Walk { flags: corsnap_unwind::flags::LOST, ..complete };
-        replays.walk_and_keep(other, &memory, &mut out, |_, _| lost, no_trim);
+        replays.walk_and_keep(other, &memory, &mut out, |_, _| lost, no_trim, &mut no_spill);
         assert_eq!(replays.replay(&other, &memory), None);
         // A walk is kept as its caller cut it: the frames after the cut,
         // found counting those before.
@@ -826,6 +837,7 @@ mod tests {
                 three
             },
             cut_first,
+            &mut no_spill,
         );
         assert_eq!((cut.len, found, &out[..2], hash), (2, 3, &[0xa2, 0xa3][..], frames_hash(&[0xa2, 0xa3])));
         let kept = replays.replay(&other, &memory).expect("replayed");
@@ -842,7 +854,7 @@ mod tests {
         for (word, len) in [(0xa, 1), (0xb, 2)] {
             // SAFETY: as above.
             unsafe { (base as *mut u64).add(2).write(word) };
-            replays.walk_and_keep(start, &memory, &mut out, |m, out| read_word_2(m, out, len), no_trim);
+            replays.walk_and_keep(start, &memory, &mut out, |m, out| read_word_2(m, out, len), no_trim, &mut no_spill);
         }
         for (word, len) in [(0xa, 1), (0xb, 2), (0xb, 2), (0xa, 1), (0xc, 0)] {
             // SAFETY: as above.
@@ -854,10 +866,12 @@ mod tests {
     }
 
     /// Events counted on a kept walk are taken as its key (the head its
-    /// caller wrote, then its frames) and count, once; a kept walk holding
-    /// counts is not replaced by a new walk until they are taken.
+    /// caller wrote, then its frames) and count, once; a new walk replaces
+    /// a kept walk without counts first, and one with counts only when all
+    /// have some, handing its counts to the spill first.
     #[test]
     fn events_counted_on_a_kept_walk_are_taken_once_and_never_lost() {
+        type Taken = Vec<(Vec<u64>, u64, u64, u64)>;
         let map = own_code_map(true);
         let mut stack_words: Vec<u64> = (0..16).map(|i| 0x1000 + i).collect();
         let base = stack_words.as_mut_ptr() as u64;
@@ -866,7 +880,8 @@ mod tests {
         let mut replays = replay::Replays::new();
         let out = [0u64; 8];
         let complete = Walk { len: 1, flags: corsnap_unwind::flags::COMPLETE, ..Walk::default() };
-        let keep = |replays: &mut replay::Replays, ip: u64| {
+        let keep = |replays: &mut replay::Replays, ip: u64| -> Taken {
+            let mut spilled = Vec::new();
             replays.walk_and_keep(
                 start_at(ip),
                 &memory,
@@ -877,35 +892,54 @@ mod tests {
                     complete
                 },
                 |_, _| {},
+                &mut |key: &[u64], hash, count, first| spilled.push((key.to_vec(), hash, count, first)),
             );
+            spilled
         };
-        let taken = |replays: &mut replay::Replays| {
+        let taken = |replays: &mut replay::Replays| -> Taken {
             let mut taken = Vec::new();
             replays.take_repeats(&mut |key: &[u64], hash, count, first| taken.push((key.to_vec(), hash, count, first)));
             taken
         };
-        keep(&mut replays, 1);
+        // Counts `count` events on the walk from `ip`, with head `tag`.
+        let count = |replays: &mut replay::Replays, ip: u64, tag: u64, count: u64| {
+            let kept = replays.replay(&start_at(ip), &memory).expect("replayed");
+            let (_, _, words, _, repeats) = replays.replayed(kept, 2);
+            words[..2].copy_from_slice(&[0xe, tag]);
+            *repeats = replay::Repeats { head: 2, count, first_ns: 70 + ip };
+        };
+        assert!(keep(&mut replays, 1).is_empty());
         let kept = replays.replay(&start_at(1), &memory).expect("replayed");
-        let (_, _, words, _, repeats) = replays.replayed(kept, 2);
-        assert_eq!(*repeats, replay::Repeats::default(), "nothing counted on a walk just kept");
-        words[..2].copy_from_slice(&[0xe, 0xc]);
-        *repeats = replay::Repeats { head: 2, count: 3, first_ns: 77 };
+        assert_eq!(*replays.replayed(kept, 2).4, replay::Repeats::default(), "nothing counted on a walk just kept");
+        count(&mut replays, 1, 0xc, 3);
         // A kept walk's head stays where its caller wrote it.
         let kept = replays.replay(&start_at(1), &memory).expect("replayed");
         assert_eq!(&replays.replayed(kept, 2).2[..], &[0xe, 0xc, 1]);
         // Four more walks from other places: the one holding counts stays.
         for ip in 2..6 {
-            keep(&mut replays, ip);
+            assert!(keep(&mut replays, ip).is_empty());
         }
-        assert!(replays.replay(&start_at(1), &memory).is_some(), "replaced while holding counts");
+        assert!(replays.replay(&start_at(1), &memory).is_some(), "replaced while others held none");
         assert!(replays.replay(&start_at(2), &memory).is_none(), "the oldest without counts went");
-        assert_eq!(taken(&mut replays), vec![(vec![0xe, 0xc, 1], frames_hash(&[1]), 3, 77)]);
+        assert_eq!(taken(&mut replays), vec![(vec![0xe, 0xc, 1], frames_hash(&[1]), 3, 71)]);
         assert_eq!(taken(&mut replays), vec![], "taken once");
-        // Taken, its counts no longer hold it.
-        for ip in 6..10 {
-            keep(&mut replays, ip);
+        // All four holding counts: the next walk replaces the oldest, whose
+        // counts are spilled, and the others' are taken later.
+        for ip in [1, 3, 4, 5] {
+            count(&mut replays, ip, ip, 2);
         }
-        assert!(replays.replay(&start_at(1), &memory).is_none());
+        assert_eq!(keep(&mut replays, 6), vec![(vec![0xe, 3, 3], frames_hash(&[3]), 2, 73)]);
+        assert!(replays.replay(&start_at(6), &memory).is_some());
+        let mut rest = taken(&mut replays);
+        rest.sort();
+        assert_eq!(
+            rest,
+            vec![
+                (vec![0xe, 1, 1], frames_hash(&[1]), 2, 71),
+                (vec![0xe, 4, 4], frames_hash(&[4]), 2, 74),
+                (vec![0xe, 5, 5], frames_hash(&[5]), 2, 75)
+            ]
+        );
         drop(stack_words);
     }
 }

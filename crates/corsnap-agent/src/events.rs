@@ -268,9 +268,9 @@ pub struct Captured {
 
 /// Walks the calling thread's stack for a queued event: with corsnap's own
 /// unwinder when `native` and it can serve, else `DoStackSnapshot`.
-pub fn capture_own_stack(info: &CorProfilerInfo, native: bool, thread: ThreadID) -> Captured {
+pub fn capture_own_stack(queue: &EventQueue, info: &CorProfilerInfo, native: bool, thread: ThreadID) -> Captured {
     if native {
-        let walked = walk_own_stack(thread as u64, 0, |own| Captured {
+        let walked = walk_own_stack(thread as u64, 0, queue.spill(), |own| Captured {
             frames: own.words.to_vec(),
             truncated: own.walk.flags & corsnap_unwind::flags::TRUNCATED != 0,
             raw: Some(RawWalk { flags: own.walk.flags, copy: own.copy }),
@@ -377,7 +377,7 @@ pub struct EventQueue {
 /// floor would otherwise walk unknown code, and copy stacks, for ever.
 pub fn walk_own_stack_only(queue: &EventQueue, info: &CorProfilerInfo, native: bool, thread: ThreadID) {
     if native {
-        let walked = walk_own_stack(thread as u64, 0, |own| {
+        let walked = walk_own_stack(thread as u64, 0, queue.spill(), |own| {
             if own.copy.is_some() {
                 queue.push(PendingEvent {
                     kind: EventKind::Exceptions,
@@ -597,7 +597,7 @@ impl EventQueue {
         (word, named): (u64, u64),
         now_ns: impl Fn() -> u64,
     ) -> bool {
-        walk_own_stack(thread as u64, KEY_HEAD, |own| {
+        walk_own_stack(thread as u64, KEY_HEAD, self.spill(), |own| {
             let OwnWalk { words, walk, copy, hash, repeats } = own;
             let truncated = walk.flags & corsnap_unwind::flags::TRUNCATED != 0;
             if copy.is_some() {
@@ -653,9 +653,13 @@ impl EventQueue {
     /// waiting that long at most for a walker lent to a walk (the last take,
     /// before the walkers are collected).
     pub fn take_repeats(&self, deadline: Option<Instant>) {
-        corsnap_abi::event_walk::take_repeats(deadline, |key, hash, count, first_ns| {
-            self.tally_hashed(key, hash, count, || first_ns);
-        });
+        corsnap_abi::event_walk::take_repeats(deadline, self.spill());
+    }
+
+    /// Where events counted on a kept walk go when they are taken or the
+    /// walk is replaced: into the tally.
+    fn spill(&self) -> impl FnMut(&[u64], u64, u64, u64) + '_ {
+        |key, hash, count, first_ns| self.tally_hashed(key, hash, count, || first_ns)
     }
 
     /// Counts one more occurrence of `key` (a [`KEY_HEAD`] head, then the
@@ -739,7 +743,7 @@ impl EventQueue {
         // The thread that starts a blocking collection is the one that
         // triggered it; its stack says why (a background GC's thread has no
         // managed frames and yields an empty stack).
-        let stack = capture_own_stack(info, native, thread);
+        let stack = capture_own_stack(self, info, native, thread);
         *self.gc_in_progress.lock().unwrap_or_else(|p| p.into_inner()) =
             Some(GcInProgress { started: Instant::now(), time_ns, generation, reason, thread, os_tid, stack });
     }

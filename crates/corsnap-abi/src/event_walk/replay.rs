@@ -246,7 +246,15 @@ impl Replays {
     /// its caller wrote, then its frames), the frames' hash, the count and
     /// the first one's time, and counts them as taken.
     pub(super) fn take_repeats(&mut self, take: &mut impl FnMut(&[u64], u64, u64, u64)) {
-        for kept in self.kept.iter_mut().filter(|kept| kept.repeats.count > 0) {
+        for i in 0..KEPT {
+            self.take_repeats_of(i, take);
+        }
+    }
+
+    /// [`Self::take_repeats`] of kept walk `i` alone.
+    fn take_repeats_of(&mut self, i: usize, take: &mut impl FnMut(&[u64], u64, u64, u64)) {
+        let kept = &mut self.kept[i];
+        if kept.repeats.count > 0 {
             let key = HEAD_ROOM - kept.repeats.head.min(HEAD_ROOM)..HEAD_ROOM + kept.walk.len;
             take(&kept.words[key], kept.frames_hash, kept.repeats.count, kept.repeats.first_ns);
             kept.repeats.count = 0;
@@ -256,9 +264,13 @@ impl Replays {
     /// Walks from `start` with `walk`, given a memory that notes the words
     /// it reads, into `out`, then lets `trim` cut the walk as the caller
     /// wants it (the leading native frames; the same cut for the same
-    /// frames), and keeps the cut walk if it can be replayed. Returns the
-    /// cut walk, how many frames it found before the cut, and the cut
-    /// frames' hash ([`super::frames_hash`]).
+    /// frames), and keeps the cut walk if it can be replayed, in place of
+    /// the kept walk longest unused among those with no counted events, or
+    /// of that one if all have some, whose events then go to `spill` first
+    /// (as [`Self::take_repeats`] hands them). Returns the cut walk, how
+    /// many frames it found before the cut, and the cut frames' hash
+    /// ([`super::frames_hash`]).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn walk_and_keep<'m, 'a>(
         &mut self,
         start: Start,
@@ -266,22 +278,11 @@ impl Replays {
         out: &mut [u64],
         walk: impl FnOnce(&Recorded<'m, 'a, '_>, &mut [u64]) -> Walk,
         trim: impl FnOnce(&mut Walk, &mut [u64]),
+        spill: &mut impl FnMut(&[u64], u64, u64, u64),
     ) -> (Walk, usize, u64) {
-        // The one kept longest among those holding no counted events (whose
-        // counts are not the walker's to hand on): with none, the walk is
-        // made and not kept, and the counts are taken within a tick.
-        let next = self.next;
-        let free = (0..KEPT).map(|k| (next + k) % KEPT).find(|&i| self.kept[i].repeats.count == 0);
-        let mut kept = free.map(|i| &mut self.kept[i]);
-        if let Some(kept) = kept.as_deref_mut() {
-            kept.start = None;
-        }
         let recorded = Recorded {
             memory,
-            reads: match kept {
-                Some(_) => Cell::from_mut(&mut self.reads[..]).as_slice_of_cells(),
-                None => &[],
-            },
+            reads: Cell::from_mut(&mut self.reads[..]).as_slice_of_cells(),
             count: Cell::new(0),
             replayable: Cell::new(true),
         };
@@ -294,9 +295,21 @@ impl Replays {
         let found = result.len;
         trim(&mut result, out);
         let hash = super::frames_hash(out.get(..result.len).unwrap_or_default());
-        let (Some(kept), Some(free)) = (kept, free) else { return (result, found, hash) };
+        if !replayable || result.len > FRAMES {
+            return (result, found, hash);
+        }
+        // Counted events cost a tally's lock and hash to hand on here; a map
+        // published since they were counted leaves their walk unreplayable
+        // (its start names the old map) until they are taken, and with only
+        // the free ones replaced, 5% of `validate`'s walks on .NET 10 were
+        // made again.
+        let next = self.next;
+        let replaced = (0..KEPT).map(|k| (next + k) % KEPT).find(|&i| self.kept[i].repeats.count == 0).unwrap_or(next);
+        self.take_repeats_of(replaced, spill);
+        let kept = &mut self.kept[replaced];
+        kept.start = None;
         kept.differed = 0;
-        if replayable && result.len <= FRAMES && kept.reads.keep(&mut self.reads[..read_count], &memory.stack) {
+        if kept.reads.keep(&mut self.reads[..read_count], &memory.stack) {
             let frames = &out[..result.len];
             kept.words[HEAD_ROOM..HEAD_ROOM + frames.len()].copy_from_slice(frames);
             kept.frames_hash = hash;
@@ -304,8 +317,8 @@ impl Replays {
             kept.found = found;
             kept.repeats = Repeats::default();
             kept.start = Some(start);
-            self.last = free;
-            self.next = (free + 1) % KEPT;
+            self.last = replaced;
+            self.next = (replaced + 1) % KEPT;
         }
         (result, found, hash)
     }
