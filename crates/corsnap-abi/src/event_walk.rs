@@ -258,7 +258,10 @@ impl Borrowed {
         (0..POOL).map(|i| (start + i) % POOL).find_map(|index| {
             // SeqCst: the walk's load of the map comes after it (step 1).
             let walker = CACHE_POOL[index].0.swap(null_mut(), Ordering::SeqCst);
-            (!walker.is_null()).then_some(Borrowed { index, walker })
+            // Made only for a walker taken: `then_some` would make (and drop)
+            // one for an empty slot too, whose drop stored null back into the
+            // slot, over a walker given back in between, lost to the pool.
+            (!walker.is_null()).then(|| Borrowed { index, walker })
         })
     }
 }
