@@ -14,7 +14,10 @@
 //!    slot's pointer with null, and gives it back by storing it again: a
 //!    try, never a wait. With every walker out (more threads walking at once
 //!    than the pool holds) it makes one. The caches remember the paths their
-//!    walks took (`corsnap_unwind::WalkCache::remember_paths`).
+//!    walks took (`corsnap_unwind::WalkCache::remember_paths`). The agent's
+//!    thread takes walkers out the same way, for a moment, to read the
+//!    events counted on their kept walks ([`take_repeats`]); a walk that
+//!    finds a slot empty goes on to the next.
 //! 2. Having the walker counts it in: only then does it load the published
 //!    map ([`MAP`], an atomic pointer). The agent frees a replaced map only
 //!    after seeing, after the swap, every walker back in the pool (both
