@@ -68,7 +68,7 @@ use crate::signal::{LiveMemory, MAX_FRAMES};
 
 mod replay;
 
-pub use replay::Repeats;
+pub use replay::{Counted, Repeats};
 
 /// The map event walks read; replaced whole, freed only when no walk runs.
 static MAP: AtomicPtr<CodeMap> = AtomicPtr::new(null_mut());
@@ -307,7 +307,7 @@ pub struct OwnWalk<'w> {
 pub fn walk_own_stack<R>(
     runtime_thread: u64,
     head: usize,
-    mut spill: impl FnMut(&[u64], u64, u64, u64),
+    mut spill: impl FnMut(Counted<'_>),
     use_walk: impl FnOnce(OwnWalk<'_>) -> R,
 ) -> Result<R, OwnWalkError> {
     // No map, no walk, and nothing borrowed or made for it.
@@ -569,13 +569,12 @@ pub fn take_wake_request() -> bool {
 }
 
 /// Hands `take` the events callers counted on the pooled walkers' kept
-/// walks ([`Repeats`]): each as its key, the hash of its frames, its count
-/// and its first event's time. A walker lent out is passed over, or waited
+/// walks ([`Repeats`], handed on as [`Counted`]). A walker lent out is passed over, or waited
 /// for until `deadline` (the last take before the walkers are collected).
 /// The agent's thread only: a walker is taken out of the pool while its
 /// counts are read (a walk wanting it takes another), and
 /// [`EventMap::uninstall`] frees the walkers on the same thread.
-pub fn take_repeats(deadline: Option<Instant>, mut take: impl FnMut(&[u64], u64, u64, u64)) {
+pub fn take_repeats(deadline: Option<Instant>, mut take: impl FnMut(Counted<'_>)) {
     if !INSTALLED.load(Ordering::SeqCst) {
         return;
     }
@@ -731,7 +730,7 @@ mod tests {
             return walk_own_stack(
                 0,
                 0,
-                |_, _, _, _| {},
+                |_| {},
                 |own| {
                     assert_eq!(own.hash, frames_hash(own.words));
                     (own.words.to_vec(), *own.walk, own.copy.is_some())
@@ -796,7 +795,7 @@ mod tests {
         // A stand-in walk that reads words 3 and 9 (and one outside the
         // stack) and finds two frames.
         let no_trim = |_: &mut Walk, _: &mut [u64]| {};
-        let mut no_spill = |_: &[u64], _, _, _| panic!("nothing counted to spill");
+        let mut no_spill = |_: Counted<'_>| panic!("nothing counted to spill");
         let walked = replays.walk_and_keep(
             start,
             &memory,
@@ -898,13 +897,14 @@ mod tests {
                     complete
                 },
                 |_, _| {},
-                &mut |key: &[u64], hash, count, first| spilled.push((key.to_vec(), hash, count, first)),
+                &mut |c: Counted<'_>| spilled.push((c.key.to_vec(), c.frames_hash, c.count, c.first_ns)),
             );
             spilled
         };
         let taken = |replays: &mut replay::Replays| -> Taken {
             let mut taken = Vec::new();
-            replays.take_repeats(&mut |key: &[u64], hash, count, first| taken.push((key.to_vec(), hash, count, first)));
+            replays
+                .take_repeats(&mut |c: Counted<'_>| taken.push((c.key.to_vec(), c.frames_hash, c.count, c.first_ns)));
             taken
         };
         // Counts `count` events on the walk from `ip`, with head `tag`.

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use corsnap_abi::event_walk::{frames_hash, walk_own_stack, OwnStackCopy, OwnWalk};
+use corsnap_abi::event_walk::{frames_hash, walk_own_stack, Counted, OwnStackCopy, OwnWalk};
 use corsnap_abi::{ClassID, CorProfilerInfo, ThreadID};
 use corsnap_wire::EventKind;
 
@@ -658,8 +658,8 @@ impl EventQueue {
 
     /// Where events counted on a kept walk go when they are taken or the
     /// walk is replaced: into the tally.
-    fn spill(&self) -> impl FnMut(&[u64], u64, u64, u64) + '_ {
-        |key, hash, count, first_ns| self.tally_hashed(key, hash, count, || first_ns)
+    fn spill(&self) -> impl FnMut(Counted<'_>) + '_ {
+        |c| self.tally_hashed(c.key, c.frames_hash, c.count, || c.first_ns)
     }
 
     /// Counts one more occurrence of `key` (a [`KEY_HEAD`] head, then the

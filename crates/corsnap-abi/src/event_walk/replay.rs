@@ -99,6 +99,18 @@ pub struct Repeats {
     pub first_ns: u64,
 }
 
+/// Events counted on a kept walk, as they are handed on (taken, or spilled
+/// when their walk is replaced): their tally key (the head the caller wrote,
+/// then the frames), the frames' hash ([`super::frames_hash`]), how many,
+/// and the first one's time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Counted<'k> {
+    pub key: &'k [u64],
+    pub frames_hash: u64,
+    pub count: u64,
+    pub first_ns: u64,
+}
+
 impl Kept {
     /// Whether every word it read still holds what it held.
     fn holds(&mut self, memory: &LiveMemory<'_>) -> bool {
@@ -242,21 +254,21 @@ impl Replays {
         (&kept.walk, kept.found, kept.words.get_mut(used).unwrap_or_default(), kept.frames_hash, &mut kept.repeats)
     }
 
-    /// Hands `take` each kept walk's counted events, as its key (the head
-    /// its caller wrote, then its frames), the frames' hash, the count and
-    /// the first one's time, and counts them as taken.
-    pub(super) fn take_repeats(&mut self, take: &mut impl FnMut(&[u64], u64, u64, u64)) {
+    /// Hands `take` each kept walk's counted events ([`Counted`]), and
+    /// counts them as taken.
+    pub(super) fn take_repeats(&mut self, take: &mut impl FnMut(Counted<'_>)) {
         for i in 0..KEPT {
             self.take_repeats_of(i, take);
         }
     }
 
     /// [`Self::take_repeats`] of kept walk `i` alone.
-    fn take_repeats_of(&mut self, i: usize, take: &mut impl FnMut(&[u64], u64, u64, u64)) {
+    fn take_repeats_of(&mut self, i: usize, take: &mut impl FnMut(Counted<'_>)) {
         let kept = &mut self.kept[i];
         if kept.repeats.count > 0 {
             let key = HEAD_ROOM - kept.repeats.head.min(HEAD_ROOM)..HEAD_ROOM + kept.walk.len;
-            take(&kept.words[key], kept.frames_hash, kept.repeats.count, kept.repeats.first_ns);
+            let Repeats { count, first_ns, .. } = kept.repeats;
+            take(Counted { key: &kept.words[key], frames_hash: kept.frames_hash, count, first_ns });
             kept.repeats.count = 0;
         }
     }
@@ -270,7 +282,6 @@ impl Replays {
     /// (as [`Self::take_repeats`] hands them). Returns the cut walk, how
     /// many frames it found before the cut, and the cut frames' hash
     /// ([`super::frames_hash`]).
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn walk_and_keep<'m, 'a>(
         &mut self,
         start: Start,
@@ -278,7 +289,7 @@ impl Replays {
         out: &mut [u64],
         walk: impl FnOnce(&Recorded<'m, 'a, '_>, &mut [u64]) -> Walk,
         trim: impl FnOnce(&mut Walk, &mut [u64]),
-        spill: &mut impl FnMut(&[u64], u64, u64, u64),
+        spill: &mut impl FnMut(Counted<'_>),
     ) -> (Walk, usize, u64) {
         let recorded = Recorded {
             memory,
