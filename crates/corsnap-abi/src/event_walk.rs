@@ -616,7 +616,8 @@ impl EventMap {
             return None;
         }
         for slot in &CACHE_POOL {
-            let cache = Box::into_raw(Walker::new());
+            // Read at every event (see `hot_memory`).
+            let cache = Box::into_raw(crate::hot_memory::allocate_hot(Walker::new));
             let old = slot.0.swap(cache, Ordering::AcqRel);
             if !old.is_null() {
                 // SAFETY: only install and uninstall put caches in the pool,

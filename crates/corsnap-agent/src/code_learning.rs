@@ -173,67 +173,73 @@ impl CodeLearner {
     /// `known` does not cover yet, learned, for a walker to know them before
     /// a walk meets them: the signal engine's and the event walker's.
     pub fn learn_compiled(&mut self, functions: &[FunctionID], known: impl Fn(u64) -> bool) -> Vec<ManagedCode> {
-        let mut learned: Vec<ManagedCode> = Vec::new();
-        for &function in functions {
-            let Ok(starts) = self.info.get_native_code_start_addresses(function) else { continue };
-            for start in starts {
-                if start == 0 || known(start) || learned.iter().any(|m| m.code.contains(&start)) {
-                    continue;
-                }
-                if let Learned::Code(code) = self.learn(start) {
-                    learned.push(code);
+        // What it makes is read by walks (see `corsnap_abi::hot_memory`).
+        corsnap_abi::hot_memory::allocate_hot(|| {
+            let mut learned: Vec<ManagedCode> = Vec::new();
+            for &function in functions {
+                let Ok(starts) = self.info.get_native_code_start_addresses(function) else { continue };
+                for start in starts {
+                    if start == 0 || known(start) || learned.iter().any(|m| m.code.contains(&start)) {
+                        continue;
+                    }
+                    if let Learned::Code(code) = self.learn(start) {
+                        learned.push(code);
+                    }
                 }
             }
-        }
-        learned
+            learned
+        })
     }
 
     /// Finds the code containing `ip`.
     pub fn learn(&mut self, ip: u64) -> Learned {
-        let Ok(function) = self.info.get_function_from_ip(ip as usize) else {
-            // The runtime names no method here, but it may still be code its
-            // JIT made: an IL stub (marshalling for P/Invoke and callbacks)
-            // has a code header like any method. Without a method to check
-            // the header against, the search is shorter and stricter.
-            let body = self.body_by_map(ip, None).or_else(|| self.jit_body_any(ip));
-            if let Some(mut body) = body {
-                self.stubs_learned += 1;
-                body.tag = STUB_TAG;
+        // What it makes is read by walks (see `corsnap_abi::hot_memory`).
+        corsnap_abi::hot_memory::allocate_hot(|| {
+            let Ok(function) = self.info.get_function_from_ip(ip as usize) else {
+                // The runtime names no method here, but it may still be code its
+                // JIT made: an IL stub (marshalling for P/Invoke and callbacks)
+                // has a code header like any method. Without a method to check
+                // the header against, the search is shorter and stricter.
+                let body = self.body_by_map(ip, None).or_else(|| self.jit_body_any(ip));
+                if let Some(mut body) = body {
+                    self.stubs_learned += 1;
+                    body.tag = STUB_TAG;
+                    return Learned::Code(body);
+                }
+                // A stub the runtime generated, as a frameless region: a page of
+                // a stub range whole (those hold nothing else); in a code heap,
+                // where method bodies may follow, only up to the address.
+                let stub = match self.layout.lookup(ip) {
+                    Some(MapLookup::StubBlock { start, kind }) if kind < 0x10 => Some((start..ip + 1, kind)),
+                    Some(MapLookup::StubRange) => Some((ip & !0xfff..(ip & !0xfff) + 0x1000, 0)),
+                    _ => runtime_code_mapping(ip).map(|_| (ip..ip + 1, 0)),
+                };
+                if let Some((range, kind)) = stub {
+                    self.stubs_learned += 1;
+                    return Learned::Code(frameless_stub(range, kind));
+                }
+                return Learned::NotManaged;
+            };
+            let body = self
+                .body_by_map(ip, Some(function as u64))
+                .or_else(|| jit_body(&self.layout.header, ip, Some(function as u64), MAX_BODY_BYTES));
+            if let Some(body) = body {
+                self.jit_bodies_learned += 1;
                 return Learned::Code(body);
             }
-            // A stub the runtime generated, as a frameless region: a page of
-            // a stub range whole (those hold nothing else); in a code heap,
-            // where method bodies may follow, only up to the address.
-            let stub = match self.layout.lookup(ip) {
-                Some(MapLookup::StubBlock { start, kind }) if kind < 0x10 => Some((start..ip + 1, kind)),
-                Some(MapLookup::StubRange) => Some((ip & !0xfff..(ip & !0xfff) + 0x1000, 0)),
-                _ => runtime_code_mapping(ip).map(|_| (ip..ip + 1, 0)),
-            };
-            if let Some((range, kind)) = stub {
-                self.stubs_learned += 1;
-                return Learned::Code(frameless_stub(range, kind));
+            if let Ok((_, module, _)) = self.info.get_function_info2(function) {
+                let info = self.info;
+                let image = self.images.entry(module).or_insert_with(|| {
+                    let base = info.get_module_info(module).ok()?.0;
+                    ready_to_run_image(base).map(with_image_body_rules)
+                });
+                if let Some(image) = image.as_ref().filter(|i| i.code.contains(&ip)) {
+                    self.images_learned += 1;
+                    return Learned::Code(image.clone());
+                }
             }
-            return Learned::NotManaged;
-        };
-        let body = self
-            .body_by_map(ip, Some(function as u64))
-            .or_else(|| jit_body(&self.layout.header, ip, Some(function as u64), MAX_BODY_BYTES));
-        if let Some(body) = body {
-            self.jit_bodies_learned += 1;
-            return Learned::Code(body);
-        }
-        if let Ok((_, module, _)) = self.info.get_function_info2(function) {
-            let info = self.info;
-            let image = self.images.entry(module).or_insert_with(|| {
-                let base = info.get_module_info(module).ok()?.0;
-                ready_to_run_image(base).map(with_image_body_rules)
-            });
-            if let Some(image) = image.as_ref().filter(|i| i.code.contains(&ip)) {
-                self.images_learned += 1;
-                return Learned::Code(image.clone());
-            }
-        }
-        Learned::FunctionOnly(function)
+            Learned::FunctionOnly(function)
+        })
     }
 }
 
@@ -440,34 +446,40 @@ pub fn ready_to_run_image(base: u64) -> Option<ManagedCode> {
 /// was: its frames are unwound in full. CoreLib's take 10 to 20 ms here
 /// (50,000 functions).
 pub fn with_image_body_rules(image: ManagedCode) -> ManagedCode {
-    let rvas = image.functions.chunks_exact(RUNTIME_FUNCTION_SIZE).filter_map(|f| u32_at(f, 8));
-    let (first, last) = rvas.fold((u32::MAX, 0), |(lo, hi), r| (lo.min(r), hi.max(r)));
-    // A record is at most 4 bytes of header, 255 codes (rounded to 256),
-    // and a 12-byte chained entry.
-    let end = (u64::from(last) + 4 + 512 + 12).min(image.code.end - image.base);
-    let Some(len) = end.checked_sub(u64::from(first)).filter(|&l| l > 0 && l <= 16 << 20) else { return image };
-    match read_own_bytes(image.base + u64::from(first), len as usize) {
-        Some(records) => image.with_body_rules(Some((first, &records))),
-        None => image,
-    }
+    // What it makes is read by walks (see `corsnap_abi::hot_memory`).
+    corsnap_abi::hot_memory::allocate_hot(|| {
+        let rvas = image.functions.chunks_exact(RUNTIME_FUNCTION_SIZE).filter_map(|f| u32_at(f, 8));
+        let (first, last) = rvas.fold((u32::MAX, 0), |(lo, hi), r| (lo.min(r), hi.max(r)));
+        // A record is at most 4 bytes of header, 255 codes (rounded to 256),
+        // and a 12-byte chained entry.
+        let end = (u64::from(last) + 4 + 512 + 12).min(image.code.end - image.base);
+        let Some(len) = end.checked_sub(u64::from(first)).filter(|&l| l > 0 && l <= 16 << 20) else { return image };
+        match read_own_bytes(image.base + u64::from(first), len as usize) {
+            Some(records) => image.with_body_rules(Some((first, &records))),
+            None => image,
+        }
+    })
 }
 
 /// `System.Private.CoreLib`'s ReadyToRun image, when the runtime mapped it
 /// from its file (not from a single-file bundle, where it is learned from
 /// the first address met in it, as any image).
 pub fn corelib_image() -> Option<ManagedCode> {
-    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    let mappings: Vec<_> = corsnap_unwind::process::parse_maps(&maps)
-        .into_iter()
-        .filter(|m| m.path.ends_with("/System.Private.CoreLib.dll"))
-        .collect();
-    // The image is the one that holds the file's code. Its base is not the
-    // file's lowest mapping: .NET 10 first maps the whole file flat (shared,
-    // read-only, below the image), where RVAs are not addresses.
-    let code = mappings.iter().find(|m| m.executable)?.range.start;
-    mappings
-        .iter()
-        .rev()
-        .filter(|m| m.range.start <= code)
-        .find_map(|m| ready_to_run_image(m.range.start).filter(|image| image.code.contains(&code)))
+    // What it makes is read by walks (see `corsnap_abi::hot_memory`).
+    corsnap_abi::hot_memory::allocate_hot(|| {
+        let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+        let mappings: Vec<_> = corsnap_unwind::process::parse_maps(&maps)
+            .into_iter()
+            .filter(|m| m.path.ends_with("/System.Private.CoreLib.dll"))
+            .collect();
+        // The image is the one that holds the file's code. Its base is not the
+        // file's lowest mapping: .NET 10 first maps the whole file flat (shared,
+        // read-only, below the image), where RVAs are not addresses.
+        let code = mappings.iter().find(|m| m.executable)?.range.start;
+        mappings
+            .iter()
+            .rev()
+            .filter(|m| m.range.start <= code)
+            .find_map(|m| ready_to_run_image(m.range.start).filter(|image| image.code.contains(&code)))
+    })
 }

@@ -448,15 +448,18 @@ impl EventWalker {
             .filter(|m| HOST_MODULES.iter().any(|h| m.name.ends_with(h)))
             .map(|m| m.code.clone())
             .collect();
-        let map = if self.natives_dirty {
-            CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn)
-                .with_roots(roots)
-        } else {
-            self.map.with_same_natives(self.managed.clone(), self.stacks.clone())
-        };
+        // Read at every event (see `hot_memory`).
+        let map = corsnap_abi::hot_memory::allocate_hot(|| {
+            Arc::new(if self.natives_dirty {
+                CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn)
+                    .with_roots(roots)
+            } else {
+                self.map.with_same_natives(self.managed.clone(), self.stacks.clone())
+            })
+        });
         self.natives_dirty = false;
         self.managed = map.managed().to_vec();
-        self.map = Arc::new(map);
+        self.map = map;
         if let Some(m) = self.events_map.as_mut() {
             m.publish(self.map.clone());
         }

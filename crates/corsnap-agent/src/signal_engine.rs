@@ -576,6 +576,12 @@ impl SignalEngine {
                 }
             }
             let per_walk = |n: u64| n as f64 / walks.max(1) as f64;
+            let (blocks, bytes) = corsnap_abi::hot_memory::in_use();
+            log::write(format_args!(
+                "memory the walks read: {blocks} blocks, {} KiB, on huge pages {} KiB",
+                bytes / 1024,
+                corsnap_abi::hot_memory::huge_page_bytes() / 1024
+            ));
             log::write(format_args!(
                 "signal walks of the threads running at the end: {walks}; leaves stepped by a kept stretch: \
                  {:.0}%; return addresses a walk looked up (in no table): {:.2}, and took from the process's \
@@ -1304,15 +1310,18 @@ impl SignalEngine {
     }
 
     fn publish(&mut self) {
-        let map = if self.natives_changed {
-            self.natives_changed = false;
-            CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn)
-                .with_hijack_stub(self.hijack_stub.clone())
-        } else {
-            self.map.with_same_natives(self.managed.clone(), self.stacks.clone())
-        };
+        // Read at every sample (see `hot_memory`).
+        let map = corsnap_abi::hot_memory::allocate_hot(|| {
+            Arc::new(if self.natives_changed {
+                self.natives_changed = false;
+                CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn)
+                    .with_hijack_stub(self.hijack_stub.clone())
+            } else {
+                self.map.with_same_natives(self.managed.clone(), self.stacks.clone())
+            })
+        });
         self.managed = map.managed().to_vec();
-        self.map = Arc::new(map);
+        self.map = map;
         // While draining, the sampler is out of its place: the handler gets
         // the map at the end of the round.
         match self.sampler.as_mut() {

@@ -260,37 +260,40 @@ impl SignalSampler {
             0
         };
         let seed = (u64::from(tid) << 32 | index as u64) ^ 0x9e37_79b9_7f4a_7c15;
-        let slot = Box::new(ThreadSlot {
-            tid,
-            owner: AtomicUsize::new(0),
-            perf_fd: AtomicI32::new(perf_fd),
-            perf_page: AtomicUsize::new(perf_page),
-            perf_period_ns: AtomicU64::new(0),
-            interval_ns: AtomicU64::new(interval_ns),
-            timer_id: std::sync::atomic::AtomicI32::new(-1),
-            clock: AtomicU8::new(if perf_fd >= 0 { CLOCK_PERF } else { CLOCK_TIMER }),
-            timer_base_ns: AtomicU64::new(crate::thread_cpu_time_ns(tid).unwrap_or(0)),
-            // Armed once (below, unless a perf event samples the thread):
-            // the handler's first sample weighs from the base above.
-            timer_arms: AtomicU64::new(1),
-            walking: UnsafeCell::new(Walking {
-                cache: WalkCache::new(),
-                frames: [0; MAX_FRAMES],
-                rng: seed | 1,
-                samples: 0,
-                timer: TimerState::default(),
-                stack_generation: 0,
-                stack: 0..0,
-            }),
-            ring: Ring::new(),
-            learned: LearnedMailbox::default(),
-            learned_addresses: LearnedMailbox::default(),
-            samples: AtomicU64::new(0),
-            walk_counts: Default::default(),
-            requested_samples: AtomicU64::new(0),
-            dropped_full: AtomicU64::new(0),
-            unknown_stack: AtomicU64::new(0),
-            runtime_thread: AtomicU64::new(runtime_thread),
+        // What the handler reads at every sample (see `hot_memory`).
+        let slot = crate::hot_memory::allocate_hot(|| {
+            Box::new(ThreadSlot {
+                tid,
+                owner: AtomicUsize::new(0),
+                perf_fd: AtomicI32::new(perf_fd),
+                perf_page: AtomicUsize::new(perf_page),
+                perf_period_ns: AtomicU64::new(0),
+                interval_ns: AtomicU64::new(interval_ns),
+                timer_id: std::sync::atomic::AtomicI32::new(-1),
+                clock: AtomicU8::new(if perf_fd >= 0 { CLOCK_PERF } else { CLOCK_TIMER }),
+                timer_base_ns: AtomicU64::new(crate::thread_cpu_time_ns(tid).unwrap_or(0)),
+                // Armed once (below, unless a perf event samples the thread):
+                // the handler's first sample weighs from the base above.
+                timer_arms: AtomicU64::new(1),
+                walking: UnsafeCell::new(Walking {
+                    cache: WalkCache::new(),
+                    frames: [0; MAX_FRAMES],
+                    rng: seed | 1,
+                    samples: 0,
+                    timer: TimerState::default(),
+                    stack_generation: 0,
+                    stack: 0..0,
+                }),
+                ring: Ring::new(),
+                learned: LearnedMailbox::default(),
+                learned_addresses: LearnedMailbox::default(),
+                samples: AtomicU64::new(0),
+                walk_counts: Default::default(),
+                requested_samples: AtomicU64::new(0),
+                dropped_full: AtomicU64::new(0),
+                unknown_stack: AtomicU64::new(0),
+                runtime_thread: AtomicU64::new(runtime_thread),
+            })
         });
         // Mapped now, not at the handler's first touches (see `populate`).
         crate::process::populate(&*slot as *const ThreadSlot as usize, std::mem::size_of::<ThreadSlot>());
