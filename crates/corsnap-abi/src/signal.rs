@@ -101,14 +101,52 @@ const SI_VALUE_OFFSET: usize = 24;
 // si_fd at 24.
 const SI_FD_OFFSET: usize = 24;
 
+/// What every signal reads first, before its slot: which slot is the
+/// thread's (by its timer's value, or its perf event's fd), and the map.
+/// One 2 MiB-aligned block, asked for as a huge page when the sampler is
+/// installed (see `hot_memory`): in `.bss` these were pages of their own,
+/// each a TLB miss at 100 samples a second, one after another (the fd's
+/// slot index, then the slot).
+#[repr(C, align(2097152))]
+struct HandlerStatics {
+    map: AtomicPtr<CodeMap>,
+    slots: [AtomicPtr<ThreadSlot>; MAX_SLOTS],
+    perf_fds: [std::sync::atomic::AtomicU32; MAX_PERF_FD],
+}
+
+static HANDLER_STATICS: HandlerStatics = HandlerStatics {
+    map: AtomicPtr::new(null_mut()),
+    slots: [const { AtomicPtr::new(null_mut()) }; MAX_SLOTS],
+    perf_fds: [const { std::sync::atomic::AtomicU32::new(0) }; MAX_PERF_FD],
+};
+const _: () = assert!(std::mem::size_of::<HandlerStatics>() == 2 << 20);
+
 /// The slots of the threads being sampled, indexed by the value each
 /// thread's timer carries.
-static SLOTS: [AtomicPtr<ThreadSlot>; MAX_SLOTS] = [const { AtomicPtr::new(null_mut()) }; MAX_SLOTS];
+static SLOTS: &[AtomicPtr<ThreadSlot>; MAX_SLOTS] = &HANDLER_STATICS.slots;
 /// Slot index + 1 of the thread whose perf event has each fd (0: none).
-static PERF_FDS: [std::sync::atomic::AtomicU32; MAX_PERF_FD] =
-    [const { std::sync::atomic::AtomicU32::new(0) }; MAX_PERF_FD];
+static PERF_FDS: &[std::sync::atomic::AtomicU32; MAX_PERF_FD] = &HANDLER_STATICS.perf_fds;
 /// The code map walks read; replaced whole, freed only when no handler runs.
-static MAP: AtomicPtr<CodeMap> = AtomicPtr::new(null_mut());
+static MAP: &AtomicPtr<CodeMap> = &HANDLER_STATICS.map;
+
+/// Asks for [`HANDLER_STATICS`] on a huge page, and has it mapped now, on
+/// the agent's thread before a signal (a page fault in the handler would
+/// zero 2 MiB). Only where the loader honoured its alignment (glibc 2.35
+/// and later do, for a library's segments); where the kernel gives no huge
+/// page it is 2 MiB of small ones.
+fn map_handler_statics() {
+    let at = &HANDLER_STATICS as *const HandlerStatics as usize;
+    let len = std::mem::size_of::<HandlerStatics>();
+    if !at.is_multiple_of(2 << 20) {
+        // Mapped page by page as before: populated whole, it would be 2 MiB
+        // of small pages.
+        return;
+    }
+    // SAFETY: the range is exactly this static (its size is its alignment);
+    // MADV_HUGEPAGE changes no contents.
+    unsafe { libc::madvise(at as *mut c_void, len, libc::MADV_HUGEPAGE) };
+    crate::process::populate(at, len);
+}
 /// Samples are taken only while this is set.
 static ENABLED: AtomicBool = AtomicBool::new(false);
 /// Counters for signals that could not become samples.

@@ -78,6 +78,7 @@ impl SignalSampler {
         }
         let trampoline = Trampoline::get().map_err(InstallError::Os)?;
         POOL.create();
+        map_handler_statics();
         if previous.sa_sigaction != libc::SIG_DFL
             && previous.sa_sigaction != libc::SIG_IGN
             && previous.sa_sigaction != trampoline.entry()
