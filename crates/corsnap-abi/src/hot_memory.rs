@@ -27,8 +27,9 @@
 //! unmapped, so an unloaded agent leaves none of it behind.
 //!
 //! Never used by a signal handler: the handler neither allocates nor frees.
-//! The lock below is held for a few instructions, by the agent's thread or
-//! by a thread dropping the agent's objects.
+//! The lock below is held for a few instructions (and for the reservation's
+//! `mmap` and `munmap`), by the agent's thread or by a thread dropping the
+//! agent's objects.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

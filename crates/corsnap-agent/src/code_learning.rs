@@ -446,36 +446,35 @@ pub fn ready_to_run_image(base: u64) -> Option<ManagedCode> {
 /// was: its frames are unwound in full. CoreLib's take 10 to 20 ms here
 /// (50,000 functions).
 pub fn with_image_body_rules(image: ManagedCode) -> ManagedCode {
-    // What it makes is read by walks (see `corsnap_abi::hot_memory`).
-    corsnap_abi::hot_memory::allocate_hot(|| {
-        let rvas = image.functions.chunks_exact(RUNTIME_FUNCTION_SIZE).filter_map(|f| u32_at(f, 8));
-        let (first, last) = rvas.fold((u32::MAX, 0), |(lo, hi), r| (lo.min(r), hi.max(r)));
-        // A record is at most 4 bytes of header, 255 codes (rounded to 256),
-        // and a 12-byte chained entry.
-        let end = (u64::from(last) + 4 + 512 + 12).min(image.code.end - image.base);
-        let Some(len) = end.checked_sub(u64::from(first)).filter(|&l| l > 0 && l <= 16 << 20) else { return image };
-        match read_own_bytes(image.base + u64::from(first), len as usize) {
-            Some(records) => image.with_body_rules(Some((first, &records))),
-            None => image,
-        }
-    })
+    let rvas = image.functions.chunks_exact(RUNTIME_FUNCTION_SIZE).filter_map(|f| u32_at(f, 8));
+    let (first, last) = rvas.fold((u32::MAX, 0), |(lo, hi), r| (lo.min(r), hi.max(r)));
+    // A record is at most 4 bytes of header, 255 codes (rounded to 256),
+    // and a 12-byte chained entry.
+    let end = (u64::from(last) + 4 + 512 + 12).min(image.code.end - image.base);
+    let Some(len) = end.checked_sub(u64::from(first)).filter(|&l| l > 0 && l <= 16 << 20) else { return image };
+    match read_own_bytes(image.base + u64::from(first), len as usize) {
+        // The rules are read by walks (see `corsnap_abi::hot_memory`); the
+        // records they are compiled from are not kept.
+        Some(records) => corsnap_abi::hot_memory::allocate_hot(|| image.with_body_rules(Some((first, &records)))),
+        None => image,
+    }
 }
 
 /// `System.Private.CoreLib`'s ReadyToRun image, when the runtime mapped it
 /// from its file (not from a single-file bundle, where it is learned from
 /// the first address met in it, as any image).
 pub fn corelib_image() -> Option<ManagedCode> {
-    // What it makes is read by walks (see `corsnap_abi::hot_memory`).
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    let mappings: Vec<_> = corsnap_unwind::process::parse_maps(&maps)
+        .into_iter()
+        .filter(|m| m.path.ends_with("/System.Private.CoreLib.dll"))
+        .collect();
+    // The image is the one that holds the file's code. Its base is not the
+    // file's lowest mapping: .NET 10 first maps the whole file flat (shared,
+    // read-only, below the image), where RVAs are not addresses.
+    let code = mappings.iter().find(|m| m.executable)?.range.start;
+    // Its function table is read by walks (see `corsnap_abi::hot_memory`).
     corsnap_abi::hot_memory::allocate_hot(|| {
-        let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-        let mappings: Vec<_> = corsnap_unwind::process::parse_maps(&maps)
-            .into_iter()
-            .filter(|m| m.path.ends_with("/System.Private.CoreLib.dll"))
-            .collect();
-        // The image is the one that holds the file's code. Its base is not the
-        // file's lowest mapping: .NET 10 first maps the whole file flat (shared,
-        // read-only, below the image), where RVAs are not addresses.
-        let code = mappings.iter().find(|m| m.executable)?.range.start;
         mappings
             .iter()
             .rev()
