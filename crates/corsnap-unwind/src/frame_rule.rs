@@ -172,6 +172,16 @@ impl FrameRule {
         self.state == RuleState::Known
     }
 
+    /// Whether the rule also holds in the function's epilogue: a frame
+    /// whose return address is right at the stack pointer, with no frame
+    /// pointer, holds nothing above it, so its epilogue is the `ret` (or a
+    /// tail call's `jmp`) alone, where the return address is still at the
+    /// stack pointer. A leaf stopped there (the last instruction of a
+    /// getter, say) is stepped by the rule, as anywhere in the body.
+    pub(crate) fn holds_in_epilogue(&self) -> bool {
+        self.is_known() && !self.from_bp && !self.restores_bp && self.ra_at == 0
+    }
+
     /// A known rule as [`FrameRule::known`] takes it: from the frame
     /// pointer, the return address's slot, the saved frame pointer's.
     pub(crate) fn parts(&self) -> Option<(bool, i32, Option<i32>)> {

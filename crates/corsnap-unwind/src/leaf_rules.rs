@@ -18,6 +18,12 @@
 //! address for a managed body (no epilogue starts there). Nothing is kept
 //! whose rule did not give the very step the full lookup gave.
 //!
+//! A body with no frame (its return address right at the stack pointer) is
+//! stepped by its rule in its epilogue too, which can only be its `ret` or
+//! a tail call's `jmp` (see [`FrameRule::holds_in_epilogue`]): on `pool.cs`
+//! (.NET 10, 10 s) 404 of 1,939 leaves missed this table, most at the `ret`
+//! of small getters, each looked up in full (about 5 µs); with that, 243.
+//!
 //! The table is the process's, not a thread's: a stretch's rule is the
 //! code's, and threads running the same code learn it for each other. Each
 //! thread used to keep 509 entries of its own: on taskfaults.cs (.NET 10,

@@ -1339,7 +1339,7 @@ fn native_frame_step<M: Memory>(
 /// and the rule.
 fn leaf_rule_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs) -> Option<(Regs, bool, FrameRule)> {
     let stretch = map.process_learning.leaf_rules.find(map.lineage, regs.ip)?;
-    if !stretch.native {
+    if !stretch.native && !stretch.rule.holds_in_epilogue() {
         let code = mem.leaf_code(regs.ip..stretch.end.min(regs.ip.saturating_add(8)))?;
         if leaf_rules::may_begin_epilogue(code) {
             return None;
@@ -1384,7 +1384,7 @@ fn body_rule_step<M: Memory>(
     if address < body.start {
         return None;
     }
-    if exact {
+    if exact && !rule.holds_in_epilogue() {
         let code = mem.leaf_code(regs.ip..function.end.min(regs.ip.saturating_add(8)))?;
         if leaf_rules::may_begin_epilogue(code) {
             return None;

@@ -610,3 +610,39 @@ fn a_leaf_stepped_by_a_kept_stretch_still_leaves_its_path() {
     );
     assert!(again.path_frames >= 1, "the leaf's step is on the path");
 }
+
+/// A getter with no prologue: `mov eax, [rdi+8]; ret`.
+const GETTER: u64 = 0x10140;
+const GETTER_CODE: [u8; 4] = [0x8b, 0x47, 0x08, 0xc3];
+/// UNWIND_INFO v1, no prologue, no codes.
+const GETTER_UNWIND: [u8; 4] = [0x01, 0x00, 0x00, 0x00];
+
+#[test]
+fn a_leaf_at_the_ret_of_a_function_with_no_frame_is_stepped_by_its_kept_stretch() {
+    // A5 calls the getter in place of Hot: its return address is the
+    // getter's frame, all of it, at its `mov` and at its `ret` alike.
+    let (chain_map, mem, regs) = chain_of(&FRAMED, true);
+    let mut managed: Vec<ManagedCode> = chain_map.managed().iter().filter(|r| r.code.start != HOT).cloned().collect();
+    let (getter, code) = body(GETTER, &GETTER_CODE, &GETTER_UNWIND);
+    managed.push(getter.with_body_rules(None));
+    let mut mem = mem;
+    mem.code.push(code);
+    let map = CodeMap::new(Vec::new(), managed, chain_map.stacks.clone(), 0);
+    let sp = regs.sp + 8;
+    let callers = [A5 + 6, A4 + 6, A3 + 6, MAIN + 13];
+    let mut out = [0u64; 64];
+    for ip in [GETTER, GETTER + 3] {
+        let at = Regs { ip, sp, bp: regs.bp };
+        let mut first = WalkCache::new();
+        let w = walk(&map, &mem, at, &mut first, &mut out);
+        let frames: Vec<u64> = out[..w.len].iter().map(|&f| address_of(f)).collect();
+        assert_eq!(frames[1..], callers, "{ip:#x}");
+        assert_eq!(w.flags, flags::COMPLETE);
+        map.keep_learned(&mut first);
+        // Another thread's walk steps the leaf by the stretch the first kept,
+        // at the `ret` too: nothing is on the stack above the return address.
+        let again = walk(&map, &mem, at, &mut WalkCache::new(), &mut out);
+        assert!(again.leaf_by_stretch, "{ip:#x}");
+        assert_eq!((again.len, again.flags), (w.len, w.flags));
+    }
+}

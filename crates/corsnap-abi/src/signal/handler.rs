@@ -608,6 +608,8 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
             walk.looked_up.into(),
             walk.from_process_table.into(),
             walk.by_body_rule.into(),
+            walk.len.saturating_sub(walk.path_frames + walk.rest_frames) as u64,
+            walk.rest_frames as u64,
         ];
         for (count, add) in slot.walk_counts.iter().zip(counts).filter(|&(_, add)| add != 0) {
             count.store(count.load(Ordering::Relaxed) + add, Ordering::Relaxed);
