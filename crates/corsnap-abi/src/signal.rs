@@ -37,6 +37,7 @@ mod clocks;
 mod copy_pool;
 mod handler;
 mod ring;
+mod sample_time;
 mod sampler;
 mod slot;
 mod trampoline;

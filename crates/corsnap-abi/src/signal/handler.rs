@@ -47,10 +47,12 @@
 //!    this thread, read with `process_vm_readv` (a system call, so an
 //!    address no longer mapped is an error, never a fault) into the
 //!    handler's stack, to undo a return-address hijack ([`hijacked_return`]).
-//! 8. `clock_gettime(CLOCK_MONOTONIC)` is on POSIX's async-signal-safe list
-//!    (and served by the vDSO): read at entry, and once more just before
-//!    the record is published, which gives both the sample's time and the
-//!    handler's own (storing included).
+//! 8. The time-stamp counter (`RDTSC`, one instruction that reads no
+//!    memory) is read at entry, and once more just before the record is
+//!    published, which gives both the sample's time and the handler's own
+//!    (storing included); the agent converts them ([`sample_time`]). Where
+//!    the kernel does not keep time by the counter, the sample's time is
+//!    `clock_gettime(CLOCK_MONOTONIC)`, on POSIX's async-signal-safe list.
 //! 9. The frames go into the slot's single-producer ring with relaxed stores
 //!    and one release store (the ring, the slot and the copy pool had
 //!    their pages mapped when the sampler made them, not at a first touch
@@ -368,7 +370,7 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
     // At 100 Hz everything below is cold, and each step's address comes
     // from the last: the fd's slot index, the slot, its clock's page, the
     // map. Their first lines are asked for now, together, so that their
-    // misses overlap (with each other and with the clock's) instead of
+    // misses overlap (with each other) instead of
     // coming one after another. A prefetch never faults, so a wrong or null
     // address costs nothing but the request.
     // SAFETY: offsets inside the 128-byte siginfo_t (asserted above).
@@ -385,7 +387,7 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
         prefetch(SLOTS.as_ptr().wrapping_add(first_value & 0xffff_ffff) as usize);
     }
     prefetch(MAP.load(Ordering::Relaxed) as usize);
-    let entered = monotonic_ns();
+    let entered = sample_time::counter();
     if !ENABLED.load(Ordering::Acquire) {
         NOT_READY.fetch_add(1, Ordering::Relaxed);
         // A periodic timer would go on signalling while sampling is off:

@@ -12,14 +12,18 @@ pub(super) struct Ring {
     pub(super) head: AtomicUsize,
     /// Words ever consumed (consumer).
     pub(super) tail: AtomicUsize,
+    /// Records are stamped with the time-stamp counter, not
+    /// `CLOCK_MONOTONIC` (see [`sample_time`](super::sample_time)).
+    pub(super) counter_time: bool,
 }
 
 impl Ring {
-    pub(super) fn new() -> Ring {
+    pub(super) fn new(counter_time: bool) -> Ring {
         Ring {
             words: (0..RING_WORDS).map(|_| AtomicU64::new(0)).collect(),
             head: AtomicUsize::new(0),
             tail: AtomicUsize::new(0),
+            counter_time,
         }
     }
 
@@ -27,16 +31,18 @@ impl Ring {
     /// `copy`, the registers and `copy.1` words of stack from `regs.sp` go
     /// after the frames, if there is room for them (else they are left out).
     /// `copy`: see [`StackToCopy`]. Words 2 and 3 of `head` are ignored:
-    /// `CLOCK_MONOTONIC` is read once, just before the record is published,
-    /// for the sample's time and for the time since `entered_ns` (the
-    /// handler's entry), so that the handler's time counts what storing it
-    /// cost (the frames, and a copy's words).
+    /// the time-stamp counter is read once, just before the record is
+    /// published, for the sample's time (or `CLOCK_MONOTONIC`, see
+    /// [`sample_time`](super::sample_time)) and for the counts since
+    /// `entered` (the counter at the handler's entry), so that the
+    /// handler's time counts what storing it cost (the frames, and a copy's
+    /// words). [`ThreadSlot::drain`] converts both to nanoseconds.
     pub(super) fn push(
         &self,
         mut head: [u64; RECORD_HEAD],
         frames: &[u64],
         copy: Option<StackToCopy<'_>>,
-        entered_ns: u64,
+        entered: u64,
     ) -> bool {
         let h = self.head.load(Ordering::Relaxed);
         let t = self.tail.load(Ordering::Acquire);
@@ -110,9 +116,10 @@ impl Ring {
                 }
             }
         }
-        let stored_ns = monotonic_ns();
-        self.words[(h + 2) % RING_WORDS].store(stored_ns, Ordering::Relaxed);
-        self.words[(h + 3) % RING_WORDS].store(stored_ns.saturating_sub(entered_ns), Ordering::Relaxed);
+        let stored = sample_time::counter();
+        let time = if self.counter_time { stored } else { monotonic_ns() };
+        self.words[(h + 2) % RING_WORDS].store(time, Ordering::Relaxed);
+        self.words[(h + 3) % RING_WORDS].store(stored.wrapping_sub(entered), Ordering::Relaxed);
         self.head.store(h + n, Ordering::Release);
         true
     }

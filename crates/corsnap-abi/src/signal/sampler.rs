@@ -285,7 +285,7 @@ impl SignalSampler {
                     stack_generation: 0,
                     stack: 0..0,
                 }),
-                ring: Ring::new(),
+                ring: Ring::new(sample_time::counter_is_the_clock()),
                 learned: LearnedMailbox::default(),
                 learned_addresses: LearnedMailbox::default(),
                 samples: AtomicU64::new(0),

@@ -284,6 +284,7 @@ impl ThreadSlot {
     /// Hands every complete record to `f`, oldest first, and frees its room.
     pub fn drain(&self, scratch: &mut Vec<u64>, mut f: impl FnMut(RawSample<'_>)) {
         let ring = &self.ring;
+        let clock = sample_time::counter_to_ns();
         let h = ring.head.load(Ordering::Acquire);
         let mut t = ring.tail.load(Ordering::Relaxed);
         while t < h {
@@ -306,8 +307,8 @@ impl ThreadSlot {
             });
             f(RawSample {
                 weight_ns: word(1),
-                time_ns: word(2),
-                handler_ns: word(3),
+                time_ns: if ring.counter_time { clock.time_ns(word(2)) } else { word(2) },
+                handler_ns: clock.duration_ns(word(3)),
                 flags: (word(0) >> 32) as u32,
                 frames,
                 stack,
