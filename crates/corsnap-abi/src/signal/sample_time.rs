@@ -4,10 +4,13 @@
 //! At 100 samples a second the vDSO's `clock_gettime` is cold at every
 //! signal: its code and the kernel's clock page miss the caches and the
 //! TLB. Timed in a `SIGPROF` handler that did nothing else, on a thread
-//! that only spins (100 Hz, these 2-vCPU VMs), one call took a median of
-//! 790 to 950 ns; reading the counter (`RDTSC`, one instruction that reads
-//! no memory) took 34 ns. The handler called it twice a sample: at its
-//! entry, and to stamp the record.
+//! that only spins (`bench/programs/clock_probe.c`, 100 Hz, these 2-vCPU
+//! VMs), one call took a median of 790 ns to 2.1 µs as the host was
+//! quiet or busy; reading the counter (`RDTSC`, one instruction that reads
+//! no memory) 19 to 34 ns. The handler called it twice a sample: at its
+//! entry, and to stamp the record. In corsnap's handler the first call's
+//! misses overlapped the misses of the first reads it prefetches, so the
+//! gain there is smaller than the probe's figures.
 //!
 //! So the handler reads only the counter: at its entry, and when it
 //! publishes the record (the sample's time, and the handler's own time as a
