@@ -418,6 +418,50 @@ fn a_stub_that_pushed_a_word_is_stepped_over_to_its_caller() {
     assert_eq!(frames[..2], [UNKNOWN_STUB + 0x10, A5 + 6]);
 }
 
+#[test]
+fn a_stub_s_instruction_met_at_the_leaf_is_kept_with_its_step() {
+    let (map, mut mem, _) = chain();
+    let stub = ManagedCode {
+        code: UNKNOWN_STUB..UNKNOWN_STUB + 0x40,
+        base: UNKNOWN_STUB,
+        functions: Vec::new().into(),
+        unwind: UnwindBytes::InCode,
+        tag: 0x10,
+        frameless: true,
+        body_rules: Default::default(),
+    };
+    let mut managed = map.managed().to_vec();
+    managed.push(stub);
+    let map = CodeMap::new(Vec::new(), managed, vec![mem.stack_range.clone()], 0);
+    // `pop rdx` after a lookup that pushed rdx: the return address is one
+    // word down.
+    mem.code.push((UNKNOWN_STUB, vec![0x5a; 0x40]));
+    let sp = STACK_TOP - 0x400;
+    mem.stack.insert(sp, 0x1234_5678);
+    mem.stack.insert(sp + 8, A4 + 6);
+    let mut out = [0u64; 64];
+    for (ip, on_top) in [(UNKNOWN_STUB + 0x10, false), (UNKNOWN_STUB + 0x20, true)] {
+        if on_top {
+            mem.stack.insert(sp, A4 + 6);
+        }
+        let at = Regs { ip, sp, bp: 0 };
+        let mut first = WalkCache::new();
+        let w = walk(&map, &mem, at, &mut first, &mut out);
+        assert_eq!(address_of(out[1]), A4 + 6);
+        assert!(!w.leaf_by_stretch);
+        map.keep_learned(&mut first);
+        let again = walk(&map, &mem, at, &mut WalkCache::new(), &mut out);
+        assert_eq!((again.len, again.flags, address_of(out[1])), (w.len, w.flags, A4 + 6), "{ip:#x}");
+        // With the return address on top, the stub's `pop` is no matter: the
+        // kept step serves. One word down, the code at the address could be
+        // an epilogue's, and the walk looks the stub up as before.
+        assert_eq!(again.leaf_by_stretch, on_top, "{ip:#x}");
+    }
+    // Another instruction of the stub is not the one kept.
+    let other = walk(&map, &mem, Regs { ip: UNKNOWN_STUB + 0x21, sp, bp: 0 }, &mut WalkCache::new(), &mut out);
+    assert!(!other.leaf_by_stretch);
+}
+
 /// An OSR body's UNWIND_INFO as .NET 10's JIT emitted it for
 /// `Enumerable.Sum`: its own prologue (`push rax` of the Tier0 frame's
 /// saved rbp, `sub rsp, 0x30`, four register saves) and, at prolog offset 0,
