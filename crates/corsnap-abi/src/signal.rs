@@ -107,16 +107,24 @@ const SI_FD_OFFSET: usize = 24;
 /// One 2 MiB-aligned block, asked for as a huge page when the sampler is
 /// installed (see `hot_memory`): in `.bss` these were pages of their own,
 /// each a TLB miss at 100 samples a second, one after another (the fd's
-/// slot index, then the slot).
+/// slot index, then the slot). The switch and the hijack's two words share
+/// the map pointer's line: they were `.bss` pages of their own, read at
+/// every signal (the switch) or at a walk's managed-to-native step.
 #[repr(C, align(2097152))]
 struct HandlerStatics {
     map: AtomicPtr<CodeMap>,
+    enabled: AtomicBool,
+    hijack_fields: AtomicU64,
+    hijack_trampoline: AtomicU64,
     slots: [AtomicPtr<ThreadSlot>; MAX_SLOTS],
     perf_fds: [std::sync::atomic::AtomicU32; MAX_PERF_FD],
 }
 
 static HANDLER_STATICS: HandlerStatics = HandlerStatics {
     map: AtomicPtr::new(null_mut()),
+    enabled: AtomicBool::new(false),
+    hijack_fields: AtomicU64::new(0),
+    hijack_trampoline: AtomicU64::new(0),
     slots: [const { AtomicPtr::new(null_mut()) }; MAX_SLOTS],
     perf_fds: [const { std::sync::atomic::AtomicU32::new(0) }; MAX_PERF_FD],
 };
@@ -149,17 +157,17 @@ fn map_handler_statics() {
     crate::process::populate(at, len);
 }
 /// Samples are taken only while this is set.
-static ENABLED: AtomicBool = AtomicBool::new(false);
+static ENABLED: &AtomicBool = &HANDLER_STATICS.enabled;
 /// Counters for signals that could not become samples.
 static NOT_READY: AtomicU64 = AtomicU64::new(0);
 /// Where the runtime's thread object keeps a hijacked return address: the
 /// byte offset of `Thread::m_pvHJRetAddr`, which `m_ppvHJRetAddrPtr` (the
 /// stack slot it came from) follows. 0 while unknown.
-static HIJACK_FIELDS: AtomicU64 = AtomicU64::new(0);
+static HIJACK_FIELDS: &AtomicU64 = &HANDLER_STATICS.hijack_fields;
 /// The runtime's hijack trampoline, once a hijack has been seen, for maps
 /// that did not find it in libcoreclr (a return address never equal to it
 /// is never a hijacked one). 0 while unknown.
-static HIJACK_TRAMPOLINE: AtomicU64 = AtomicU64::new(0);
+static HIJACK_TRAMPOLINE: &AtomicU64 = &HANDLER_STATICS.hijack_trampoline;
 /// Native return addresses of managed frames already found not to be the
 /// trampoline, so the thread object is read once per address, not once per
 /// sample. Filled first come, first kept; 0 is an empty entry.
