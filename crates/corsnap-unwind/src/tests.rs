@@ -390,11 +390,10 @@ fn a_frame_set_by_uwop_set_fpreg_large_unwinds_from_its_frame_pointer() {
     assert_eq!(address_of(out[1]), A3 + 6, "{:x?}", &out[..w.len]);
 }
 
-#[test]
-fn a_stub_that_pushed_a_word_is_stepped_over_to_its_caller() {
-    // A virtual-dispatch resolve stub pushes rdx before its lookup: the
-    // return address is one word down. Its region has no unwind information.
-    let (map, mut mem, _) = chain();
+/// The chain's map with a region of runtime stubs at [`UNKNOWN_STUB`]: no
+/// unwind information, its frames stepped by what the stack holds.
+fn chain_with_a_stub() -> (CodeMap, Recorded) {
+    let (map, mem, _) = chain();
     let stub = ManagedCode {
         code: UNKNOWN_STUB..UNKNOWN_STUB + 0x40,
         base: UNKNOWN_STUB,
@@ -406,7 +405,14 @@ fn a_stub_that_pushed_a_word_is_stepped_over_to_its_caller() {
     };
     let mut managed = map.managed().to_vec();
     managed.push(stub);
-    let map = CodeMap::new(Vec::new(), managed, vec![mem.stack_range.clone()], 0);
+    (CodeMap::new(Vec::new(), managed, vec![mem.stack_range.clone()], 0), mem)
+}
+
+#[test]
+fn a_stub_that_pushed_a_word_is_stepped_over_to_its_caller() {
+    // A virtual-dispatch resolve stub pushes rdx before its lookup: the
+    // return address is one word down.
+    let (map, mut mem) = chain_with_a_stub();
     let sp = STACK_TOP - 0x400;
     mem.stack.insert(sp, 0x1234_5678); // the pushed rdx: no code
     mem.stack.insert(sp + 8, A4 + 6); // return into A4
@@ -420,19 +426,7 @@ fn a_stub_that_pushed_a_word_is_stepped_over_to_its_caller() {
 
 #[test]
 fn a_stub_s_instruction_met_at_the_leaf_is_kept_with_its_step() {
-    let (map, mut mem, _) = chain();
-    let stub = ManagedCode {
-        code: UNKNOWN_STUB..UNKNOWN_STUB + 0x40,
-        base: UNKNOWN_STUB,
-        functions: Vec::new().into(),
-        unwind: UnwindBytes::InCode,
-        tag: 0x10,
-        frameless: true,
-        body_rules: Default::default(),
-    };
-    let mut managed = map.managed().to_vec();
-    managed.push(stub);
-    let map = CodeMap::new(Vec::new(), managed, vec![mem.stack_range.clone()], 0);
+    let (map, mut mem) = chain_with_a_stub();
     // `pop rdx` after a lookup that pushed rdx: the return address is one
     // word down.
     mem.code.push((UNKNOWN_STUB, vec![0x5a; 0x40]));
