@@ -284,9 +284,14 @@ impl ThreadSlot {
     /// Hands every complete record to `f`, oldest first, and frees its room.
     pub fn drain(&self, scratch: &mut Vec<u64>, mut f: impl FnMut(RawSample<'_>)) {
         let ring = &self.ring;
-        let clock = sample_time::counter_to_ns();
         let h = ring.head.load(Ordering::Acquire);
         let mut t = ring.tail.load(Ordering::Relaxed);
+        if t >= h {
+            return;
+        }
+        // Only for a ring with records: most threads of a large process
+        // have none at a given drain.
+        let clock = sample_time::counter_to_ns();
         while t < h {
             let word = |i: usize| ring.words[(t + i) % RING_WORDS].load(Ordering::Relaxed);
             let record = ring.record_at(t);
