@@ -57,7 +57,7 @@ pub(crate) const LEAF_RULES: usize = 8191;
 const GRANULE: u64 = 16;
 /// How far from the address met a stretch is entered (8 granules either
 /// side: about a hot loop's length).
-const NEIGHBOURHOOD: u64 = 128;
+pub(crate) const NEIGHBOURHOOD: u64 = 128;
 /// Flags in the high byte of an entry's end (addresses are below 2^56).
 const NATIVE: u64 = 1 << 56;
 const FROM_BP: u64 = 1 << 57;
