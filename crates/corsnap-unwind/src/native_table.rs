@@ -14,7 +14,9 @@
 //! So, as eBPF profilers do, each module's rows are compiled when the module
 //! is first seen (on the agent's thread): every row's start address and its
 //! rule, in one sorted array (6 bytes a row) with a page index over it. A
-//! leaf then costs a few reads of that array. Rows of a shape no rule
+//! leaf then costs a few reads of that array, and most cost one: a granule
+//! index gives each 64 bytes of code the rule of the row that covers them
+//! whole (see [`NativeTable::granules`]). Rows of a shape no rule
 //! describes (CFA by expression, a return address not just below the CFA)
 //! are left to framehop, as is any address the table has no row for.
 
