@@ -346,7 +346,11 @@ impl NativeTable {
 
     /// Bytes held.
     pub(crate) fn size(&self) -> usize {
-        self.starts.len() * 4 + self.rule_of.len() * 2 + self.pages.len() * 4 + self.rules.len() * 12 + self.granules.len()
+        self.starts.len() * 4
+            + self.rule_of.len() * 2
+            + self.pages.len() * 4
+            + self.rules.len() * 12
+            + self.granules.len()
     }
 }
 
