@@ -233,19 +233,24 @@ impl NativeTable {
             }
         }
         table.push(covered_to, NO_RULE);
-        let last = *table.starts.last()?;
+        table.starts.shrink_to_fit();
+        table.rule_of.shrink_to_fit();
+        table.index_pages();
+        table.index_granules();
+        Some(table)
+    }
+
+    /// Fills [`NativeTable::pages`] from the rows.
+    fn index_pages(&mut self) {
+        let Some(&last) = self.starts.last() else { return };
         let mut row = 0usize;
         for page in 0..=(last >> PAGE_SHIFT) + 1 {
             let page_start = page << PAGE_SHIFT;
-            while row < table.starts.len() && table.starts[row] < page_start {
+            while row < self.starts.len() && self.starts[row] < page_start {
                 row += 1;
             }
-            table.pages.push(row as u32);
+            self.pages.push(row as u32);
         }
-        table.starts.shrink_to_fit();
-        table.rule_of.shrink_to_fit();
-        table.index_granules();
-        Some(table)
     }
 
     /// Fills [`NativeTable::granules`] from the rows.
@@ -305,23 +310,23 @@ impl NativeTable {
     pub(crate) fn row_at(&self, address: u64) -> Option<(RowRule, Range<u64>)> {
         let offset = u32::try_from(address.checked_sub(self.base)?).ok()?;
         let at = (offset >> GRANULE_SHIFT) as usize;
-        if let Some(&byte) = self.granules.get(at) {
-            // The granule's rule, with the granules around it that have the
-            // same one for the row (one row: rows with one rule are merged),
-            // as far as a leaf's stretch is kept from the address met (see
-            // [`crate::leaf_rules`]): two reads of the line just read.
-            let reach = (NEIGHBOURHOOD >> GRANULE_SHIFT) as usize;
-            let same = |i: usize| self.granules.get(i) == Some(&byte);
-            let first = (at.saturating_sub(reach)..at).rev().take_while(|&i| same(i)).last().unwrap_or(at);
-            let last = (at + 1..=at + reach).take_while(|&i| same(i)).last().unwrap_or(at);
-            let range = self.base + ((first as u64) << GRANULE_SHIFT)..self.base + ((last as u64 + 1) << GRANULE_SHIFT);
-            match byte {
-                MIXED => {}
-                GRANULE_END_OF_STACK => return Some((RowRule::EndOfStack, range)),
-                index => return Some((RowRule::Step(*self.rules.get(usize::from(index))?), range)),
-            }
-        }
-        self.row_by_search(address, offset)
+        let Some(&byte) = self.granules.get(at).filter(|&&byte| byte != MIXED) else {
+            return self.row_by_search(address, offset);
+        };
+        let rule = match byte {
+            GRANULE_END_OF_STACK => RowRule::EndOfStack,
+            index => RowRule::Step(*self.rules.get(usize::from(index))?),
+        };
+        // With the granules around it that have the same rule (one row: rows
+        // with one rule are merged), as far as a leaf's stretch is kept from
+        // the address met (see [`crate::leaf_rules`]): reads of the line
+        // just read.
+        let reach = (NEIGHBOURHOOD >> GRANULE_SHIFT) as usize;
+        let same = |i: usize| self.granules.get(i) == Some(&byte);
+        let first = (at.saturating_sub(reach)..at).rev().take_while(|&i| same(i)).last().unwrap_or(at);
+        let last = (at + 1..=at + reach).take_while(|&i| same(i)).last().unwrap_or(at);
+        let range = self.base + ((first as u64) << GRANULE_SHIFT)..self.base + ((last as u64 + 1) << GRANULE_SHIFT);
+        Some((rule, range))
     }
 
     /// [`NativeTable::row_at`] by the rows alone, for the address at
@@ -395,14 +400,7 @@ mod tests {
         for (start, rule) in rows {
             table.push(start, rule);
         }
-        let last = *table.starts.last().unwrap();
-        let mut row = 0usize;
-        for page in 0..=(last >> PAGE_SHIFT) + 1 {
-            while row < table.starts.len() && table.starts[row] < page << PAGE_SHIFT {
-                row += 1;
-            }
-            table.pages.push(row as u32);
-        }
+        table.index_pages();
         table.index_granules();
         assert!(table.granules.iter().any(|&g| g != MIXED) && table.granules.contains(&MIXED));
         let mut by_granule = 0;
