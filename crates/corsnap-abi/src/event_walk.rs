@@ -441,13 +441,10 @@ pub fn walk_own_stack<R>(
                 LOST_COPY_WORDS
             };
             let kept_words = kept_words.min(stack_words);
-            let mut kept = Vec::with_capacity(kept_words);
             // As the signal handler's copies: a hijack the walk stepped over by
             // a guess is put back too.
             let mut hijack = crate::signal::CopyHijack::new(walk.undone_hijack, &memory);
-            for i in 0..kept_words {
-                kept.push(memory.copied_word(regs.sp, i, &mut hijack));
-            }
+            let kept = memory.copy_own_stack(regs.sp, kept_words, &mut hijack);
             copy = Some(OwnStackCopy { regs, words: kept, splice: walk.splice.map(|(i, at)| (i, at.sp)) });
             // The agent learns that code when it takes this event: the sooner,
             // the fewer events need a copy.

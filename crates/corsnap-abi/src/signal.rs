@@ -252,6 +252,15 @@ mod tests {
         let mut expected = stack.clone();
         expected[40] = original;
         assert_eq!(copied, expected);
+        // An event walk's copy of its own stack, all at once, is the same;
+        // and the words past the stack's end are 0, as word by word.
+        let mut at_once = CopyHijack::new(None, &memory);
+        assert_eq!(memory.copy_own_stack(start, 64, &mut at_once), expected);
+        let mut past_end = CopyHijack::new(None, &memory);
+        let long = memory.copy_own_stack(start + 8, 70, &mut past_end);
+        let mut by_word = CopyHijack::new(None, &memory);
+        assert_eq!(long, (0..70).map(|i| memory.copied_word(start + 8, i, &mut by_word)).collect::<Vec<_>>());
+        assert_eq!((long[39], long[63..].iter().all(|&w| w == 0)), (original, true));
         // A copy that starts above the slot never meets it.
         let mut above = CopyHijack::new(None, &memory);
         assert!((0..20).all(|i| memory.copied_word(slot + 8, i, &mut above) == stack[41 + i]));

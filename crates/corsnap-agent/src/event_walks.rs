@@ -98,7 +98,13 @@ impl EventWalker {
     /// Builds and publishes the map event walks read. `Err` says why the
     /// native walker cannot serve this runtime (events then use
     /// `DoStackSnapshot`).
-    pub fn start(info: CorProfilerInfo, native_modules: SharedNativeModules) -> Result<EventWalker, String> {
+    /// `compiled`: the functions the runtime compiled before the walker
+    /// started, learned before its first map is out.
+    pub fn start(
+        info: CorProfilerInfo,
+        native_modules: SharedNativeModules,
+        compiled: &[FunctionID],
+    ) -> Result<EventWalker, String> {
         let version = crate::runtime_version(&info);
         let layout = RuntimeLayout::detect(&version)?;
         let events_map = EventMap::install().ok_or("another event walker is installed")?;
@@ -139,6 +145,11 @@ impl EventWalker {
             walker.add_managed(corelib.clone());
             walker.image_without_rules = Some(corelib);
         }
+        // The program's code compiled before now runs from the first
+        // event on: unknown to the first map, every event through it made
+        // a copy of its stack (24 KiB each on `validate`) until the next
+        // round learned it, 2,000 of them in one run on .NET 10.
+        walker.learn_compiled(compiled);
         walker.refresh_stacks();
         walker.publish();
         log::write(format_args!(
@@ -153,8 +164,16 @@ impl EventWalker {
     /// stacks (when a thread was announced or a walk missed its stack), and
     /// the code of the functions compiled since the last round.
     pub fn refresh(&mut self, threads_announced: bool, compiled: &[FunctionID]) {
-        self.refresh_modules(true);
+        // Compiled code first, in a map of its own when the modules' row
+        // tables are still to be built: the runtime runs a body as soon as
+        // it installs it, and an event that meets it unknown copies its
+        // stack, while the first tables take tens of milliseconds (37 ms on
+        // .NET 10 in one run, 2,070 events with copies behind it).
         self.learn_compiled(compiled);
+        if self.map_dirty && self.tables_pending {
+            self.publish();
+        }
+        self.refresh_modules(true);
         if corsnap_abi::event_walk::take_stacks_stale() || threads_announced {
             self.refresh_stacks();
         }

@@ -186,6 +186,47 @@ impl LiveMemory<'_> {
     }
 }
 
+impl LiveMemory<'_> {
+    /// `words` words of this stack from `sp` up, as [`Self::copy_into`]
+    /// copies them into a block, into a new vector: for a walk of the
+    /// calling thread's own stack outside a signal handler (events), which
+    /// may allocate. One copy of the whole range, where a word at a time
+    /// (each bounds-checked, each pushed) cost about 8 ns a word: 23 µs for
+    /// the 3,000 words of a `validate` exception's stack on .NET 10.
+    pub(crate) fn copy_own_stack(&self, sp: u64, words: usize, hijack: &mut CopyHijack) -> Vec<u64> {
+        let end = sp.saturating_add(8 * words as u64).min(self.stack.end);
+        let mut copy = Vec::with_capacity(words);
+        if sp % 8 == 0 && self.stack.contains(&sp) && end > sp {
+            let n = (((end - sp) / 8) as usize).min(words);
+            // SAFETY: `sp..end` lies in the mapping that holds this
+            // thread's stack pointer, from a stack pointer this thread took
+            // in a frame it has not left: mapped, aligned, and written by no
+            // other thread. `copy` has room for `words` >= `n` words, and its
+            // first `n` are written before its length says so.
+            unsafe {
+                std::ptr::copy_nonoverlapping(sp as *const u64, copy.as_mut_ptr(), n);
+                copy.set_len(n);
+            }
+        } else {
+            copy.extend((0..words).map(|i| self.stack_word(sp.wrapping_add(8 * i as u64)).unwrap_or(0)));
+        }
+        // Words the stack did not hold are 0, as word by word.
+        copy.resize(words, 0);
+        if let CopyHijack::NotLooked { trampoline } = *hijack {
+            if trampoline != 0 && copy.contains(&trampoline) {
+                *hijack = CopyHijack::Known(self.hijack_in_stack(sp));
+            }
+        }
+        if let CopyHijack::Known(Some((slot, original))) = *hijack {
+            let offset = slot.wrapping_sub(sp);
+            if let Some(word) = (slot >= sp && offset % 8 == 0).then(|| copy.get_mut((offset / 8) as usize)).flatten() {
+                *word = original;
+            }
+        }
+        copy
+    }
+}
+
 /// What a stack copy knows of a hijacked return address in it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum CopyHijack {
