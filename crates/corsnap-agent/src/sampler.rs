@@ -334,11 +334,6 @@ impl SamplerLoop {
                 self.recorder.channel.queue(&Message::SnapshotEnd);
                 send_now = true;
             }
-            // Code compiled since the last round is learned before the
-            // engines run (the signal engine's round can take tens of
-            // milliseconds at start-up): until then every event that meets
-            // it copies its stack.
-            self.refresh_event_walker();
             let engines: [Option<&mut dyn Engine>; 2] =
                 [Some(&mut self.suspend), self.signal.as_mut().map(|s| s as &mut dyn Engine)];
             for engine in engines.into_iter().flatten() {
@@ -535,27 +530,21 @@ impl SamplerLoop {
         true
     }
 
-    /// The event walker's map brought up to date: modules, stacks, and the
-    /// code compiled since the last call.
-    fn refresh_event_walker(&mut self) {
-        let Some(walker) = self.event_walker.as_mut() else { return };
-        let announced = self.shared.threads_changed_for_events.swap(false, std::sync::atomic::Ordering::Relaxed);
-        let compiled = std::mem::take(&mut *self.shared.jitted_for_events.lock().unwrap_or_else(|p| p.into_inner()));
-        walker.refresh(announced, &compiled);
-    }
-
     /// Sends what the runtime's callbacks queued: exceptions, class loads,
     /// collections. `last`: until when to wait for an event walker lent to
     /// a walk, whose counted events would otherwise wait for the next take.
     fn publish_events(&mut self, last: Option<Instant>) {
-        if self.event_walker.is_some() {
+        if let Some(walker) = self.event_walker.as_mut() {
             let now = Instant::now();
             if last.is_some() || now >= self.next_repeats {
                 self.next_repeats = now + REPEATS_EVERY;
                 self.shared.events.take_repeats(last);
             }
+            let announced = self.shared.threads_changed_for_events.swap(false, std::sync::atomic::Ordering::Relaxed);
+            let compiled =
+                std::mem::take(&mut *self.shared.jitted_for_events.lock().unwrap_or_else(|p| p.into_inner()));
+            walker.refresh(announced, &compiled);
         }
-        self.refresh_event_walker();
         let mut events = self.shared.events.take();
         let gcs = self.shared.events.take_gcs();
         if events.is_empty() && gcs.is_empty() {

@@ -196,7 +196,7 @@ impl LiveMemory<'_> {
     pub(crate) fn copy_own_stack(&self, sp: u64, words: usize, hijack: &mut CopyHijack) -> Vec<u64> {
         let end = sp.saturating_add(8 * words as u64).min(self.stack.end);
         let mut copy = Vec::with_capacity(words);
-        if sp % 8 == 0 && self.stack.contains(&sp) && end > sp {
+        if sp.is_multiple_of(8) && self.stack.contains(&sp) && end > sp {
             let n = (((end - sp) / 8) as usize).min(words);
             // SAFETY: `sp..end` lies in the mapping that holds this
             // thread's stack pointer, from a stack pointer this thread took
