@@ -992,17 +992,6 @@ pub fn walk_until<M: Memory>(
         leaf_by_stretch |= by_leaf_rule.is_some();
         let hit = if by_leaf_rule.is_some() {
             None
-        } else if exact {
-            // The walk caches hold return addresses (each by the address
-            // before it, inside its call), never an exact one, which is an
-            // instruction's start: the thread's table, a cold line at 100
-            // samples a second, is not read for it.
-            cache.leaves.find(map.generation, lookup).map(|(region, entry)| KnownFrame {
-                native: false,
-                region: Some(region),
-                entry,
-                rule: FrameRule::default(),
-            })
         } else {
             // A return address not in the thread's table may be in the
             // process's, learned by another thread: copied into the
@@ -1015,6 +1004,12 @@ pub fn walk_until<M: Memory>(
             };
             match cache.known.find(map.lineage, lookup) {
                 Some(k) => Some(KnownFrame { native: k.native, region: None, entry: k.entry, rule: k.rule }),
+                None if exact => cache.leaves.find(map.generation, lookup).map(|(region, entry)| KnownFrame {
+                    native: false,
+                    region: Some(region),
+                    entry,
+                    rule: FrameRule::default(),
+                }),
                 None => {
                     shared(cache).map(|k| KnownFrame { native: k.native, region: None, entry: k.entry, rule: k.rule })
                 }
@@ -1229,8 +1224,7 @@ const PREFETCH_FRAMES: usize = 32;
 /// stops at the first link that is not inside the stack and above the last.
 /// Only hints: what the walk reads, it reads and checks itself.
 fn prefetch_frame_chain<M: Memory>(map: &CodeMap, mem: &M, cache: &WalkCache, regs: Regs) {
-    // The leaf is an exact address: its stretch, not the walk cache's
-    // return addresses.
+    mem.prefetch(cache.known.line_of(regs.ip));
     mem.prefetch(map.process_learning.leaf_rules.line_of(regs.ip));
     // The chain's links are read one after the other, each a miss of its
     // own: none past where the walk will take the thread's remembered
