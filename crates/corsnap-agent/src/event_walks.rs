@@ -146,9 +146,9 @@ impl EventWalker {
             walker.image_without_rules = Some(corelib);
         }
         // The program's code compiled before now runs from the first
-        // event on: unknown to the first map, every event through it made
-        // a copy of its stack (24 KiB each on `validate`) until the next
-        // round learned it, 2,000 of them in one run on .NET 10.
+        // event on: unknown to the first map, every event through it would
+        // make a copy of its stack (24 KiB each on `validate`) until a
+        // round learned it.
         walker.learn_compiled(compiled);
         walker.refresh_stacks();
         walker.publish();
@@ -167,8 +167,8 @@ impl EventWalker {
         // Compiled code first, in a map of its own when the modules' row
         // tables are still to be built: the runtime runs a body as soon as
         // it installs it, and an event that meets it unknown copies its
-        // stack, while the first tables take tens of milliseconds (37 ms on
-        // .NET 10 in one run, 2,070 events with copies behind it).
+        // stack, while the first tables take tens of milliseconds (37 ms in
+        // one run on .NET 10, with 2,070 events' copies behind it).
         self.learn_compiled(compiled);
         if self.map_dirty && self.tables_pending {
             self.publish();
