@@ -172,21 +172,11 @@ impl LiveMemory<'_> {
         for i in copied..words {
             block.store(i, 0);
         }
-        if let CopyHijack::NotLooked { trampoline } = *hijack {
-            if trampoline != 0 && block.contains(copied, trampoline) {
-                *hijack = CopyHijack::Known(self.hijack_in_stack(sp));
-            }
-        }
-        if let CopyHijack::Known(Some((slot, original))) = *hijack {
-            let offset = slot.wrapping_sub(sp);
-            if slot >= sp && offset % 8 == 0 && ((offset / 8) as usize) < copied {
-                block.store((offset / 8) as usize, original);
-            }
+        if let Some((i, original)) = self.hijack_in_copy(sp, copied, hijack, |t| block.contains(copied, t)) {
+            block.store(i, original);
         }
     }
-}
 
-impl LiveMemory<'_> {
     /// `words` words of this stack from `sp` up, as [`Self::copy_into`]
     /// copies them into a block, into a new vector: for a walk of the
     /// calling thread's own stack outside a signal handler (events), which
@@ -212,18 +202,34 @@ impl LiveMemory<'_> {
         }
         // Words the stack did not hold are 0, as word by word.
         copy.resize(words, 0);
+        if let Some((i, original)) = self.hijack_in_copy(sp, words, hijack, |t| copy.contains(&t)) {
+            copy[i] = original;
+        }
+        copy
+    }
+
+    /// After a copy of the stack from `sp` up, of which the first `copied`
+    /// words came from the stack: where a hijacked return address is to be
+    /// put back, as (index in the copy, original). The hijack is looked up
+    /// ([`Self::hijack_in_stack`], once) only when the walk did not undo it
+    /// already and `holds` says the copy holds the trampoline. What
+    /// [`Self::copy_into`] and [`Self::copy_own_stack`] share.
+    fn hijack_in_copy(
+        &self,
+        sp: u64,
+        copied: usize,
+        hijack: &mut CopyHijack,
+        holds: impl FnOnce(u64) -> bool,
+    ) -> Option<(usize, u64)> {
         if let CopyHijack::NotLooked { trampoline } = *hijack {
-            if trampoline != 0 && copy.contains(&trampoline) {
+            if trampoline != 0 && holds(trampoline) {
                 *hijack = CopyHijack::Known(self.hijack_in_stack(sp));
             }
         }
-        if let CopyHijack::Known(Some((slot, original))) = *hijack {
-            let offset = slot.wrapping_sub(sp);
-            if let Some(word) = (slot >= sp && offset % 8 == 0).then(|| copy.get_mut((offset / 8) as usize)).flatten() {
-                *word = original;
-            }
-        }
-        copy
+        let CopyHijack::Known(Some((slot, original))) = *hijack else { return None };
+        let offset = slot.wrapping_sub(sp);
+        let i = (offset / 8) as usize;
+        (slot >= sp && offset % 8 == 0 && i < copied).then_some((i, original))
     }
 }
 
