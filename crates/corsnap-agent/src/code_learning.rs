@@ -120,6 +120,7 @@ fn frameless_stub(range: std::ops::Range<u64>, kind: u64) -> ManagedCode {
         tag: FRAMELESS_STUB_TAG + kind,
         frameless: true,
         body_rules: Default::default(),
+        function_pages: Default::default(),
     }
 }
 
@@ -367,6 +368,7 @@ fn check_header(
             tag: found,
             frameless: false,
             body_rules: Default::default(),
+            function_pages: Default::default(),
         }
         .with_body_rules(None),
     )
@@ -436,6 +438,7 @@ pub fn ready_to_run_image(base: u64) -> Option<ManagedCode> {
         tag: 0,
         frameless: false,
         body_rules: Default::default(),
+        function_pages: Default::default(),
     })
 }
 

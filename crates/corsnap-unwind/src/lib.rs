@@ -30,6 +30,7 @@
 
 mod body_rules;
 mod frame_rule;
+mod function_pages;
 mod hijack;
 mod known_addresses;
 mod last_walk;
@@ -426,6 +427,11 @@ pub struct ManagedCode {
     /// [`ManagedCode::with_body_rules`]: then every frame is unwound in
     /// full.
     pub body_rules: Arc<[u64]>,
+    /// For a long `functions` table (an image's), where to search it for
+    /// an address (see [`function_pages`]); empty until
+    /// [`ManagedCode::with_body_rules`], and for short tables: then the
+    /// whole table is searched.
+    pub function_pages: Arc<[u32]>,
 }
 
 impl ManagedCode {
@@ -434,6 +440,7 @@ impl ManagedCode {
     /// region whose records lie in its code (an image), the bytes read from
     /// the RVA given, which must hold every record; unused for copied ones.
     pub fn with_body_rules(mut self, unwind_in_code: Option<(u32, &[u8])>) -> ManagedCode {
+        self.function_pages = function_pages::index(&self.functions).into();
         let (first, bytes): (u32, &[u8]) = match (&self.unwind, unwind_in_code) {
             (UnwindBytes::Copied { rva, bytes }, _) => (*rva, bytes),
             (UnwindBytes::InCode, Some(span)) => span,
@@ -1369,7 +1376,7 @@ fn body_rule_step<M: Memory>(
     let lookup_rva = u32::try_from(lookup.checked_sub(region.base)?).ok()?;
     let at = match *entry {
         Some(at) => at,
-        None => u32::try_from(function_entry(&region.functions, lookup_rva)?).ok()?,
+        None => u32::try_from(function_pages::entry_of(&region.functions, &region.function_pages, lookup_rva)?).ok()?,
     };
     *entry = Some(at);
     let function = function_range(region, at)?;
@@ -1551,7 +1558,7 @@ fn managed_step<M: Memory>(
     // a large image's table (CoreLib's) is cache misses all the way down.
     let at = match *entry {
         Some(at) => at as usize,
-        None => function_entry(&region.functions, lookup_rva)?,
+        None => function_pages::entry_of(&region.functions, &region.function_pages, lookup_rva)?,
     };
     *entry = u32::try_from(at).ok();
     let entries = FunctionTableEntries::parse(region.functions.get(at..at + 12)?);
@@ -1618,24 +1625,6 @@ fn function_range(region: &ManagedCode, entry: u32) -> Option<Range<u64>> {
 /// The little-endian RVA at byte `at` of a function table.
 fn table_rva(table: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_le_bytes(table.get(at..at + 4)?.try_into().ok()?))
-}
-
-/// The byte offset of the 12-byte `RUNTIME_FUNCTION` (begin, end,
-/// unwind-info RVAs) of a table sorted by begin address whose range holds
-/// `rva`.
-fn function_entry(table: &[u8], rva: u32) -> Option<usize> {
-    let rva_at = |i: usize, field: usize| table_rva(table, i * 12 + field);
-    let (mut lo, mut hi) = (0usize, table.len() / 12);
-    while lo < hi {
-        let mid = lo + (hi - lo) / 2;
-        if rva_at(mid, 0)? <= rva {
-            lo = mid + 1;
-        } else {
-            hi = mid;
-        }
-    }
-    let i = lo.checked_sub(1)?;
-    (rva < rva_at(i, 4)?).then_some(i * 12)
 }
 
 /// The size of an `UNWIND_INFO` record from its 4-byte header: the codes

@@ -53,6 +53,7 @@ fn body(start: u64, code: &[u8], unwind: &[u8]) -> (ManagedCode, (u64, Vec<u8>))
         tag: start,
         frameless: false,
         body_rules: Default::default(),
+        function_pages: Default::default(),
     };
     (region, (start, code.to_vec()))
 }
@@ -402,6 +403,7 @@ fn chain_with_a_stub() -> (CodeMap, Recorded) {
         tag: 0x10,
         frameless: true,
         body_rules: Default::default(),
+        function_pages: Default::default(),
     };
     let mut managed = map.managed().to_vec();
     managed.push(stub);
