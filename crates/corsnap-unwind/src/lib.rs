@@ -440,7 +440,11 @@ impl ManagedCode {
     /// region whose records lie in its code (an image), the bytes read from
     /// the RVA given, which must hold every record; unused for copied ones.
     pub fn with_body_rules(mut self, unwind_in_code: Option<(u32, &[u8])>) -> ManagedCode {
-        self.function_pages = function_pages::index(&self.functions).into();
+        // Most regions (a JIT'd body) have none: no allocation for them.
+        let pages = function_pages::index(&self.functions);
+        if !pages.is_empty() {
+            self.function_pages = pages.into();
+        }
         let (first, bytes): (u32, &[u8]) = match (&self.unwind, unwind_in_code) {
             (UnwindBytes::Copied { rva, bytes }, _) => (*rva, bytes),
             (UnwindBytes::InCode, Some(span)) => span,
