@@ -22,14 +22,14 @@ const PAGE_SHIFT: u32 = 10;
 const INDEXED_FROM: usize = 64;
 const ENTRY: usize = 12;
 
+/// The begin RVA of entry `i` (the walk's own reader of table fields).
 fn begin_at(table: &[u8], i: usize) -> Option<u32> {
-    let b = table.get(i * ENTRY..i * ENTRY + 4)?;
-    Some(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    crate::table_rva(table, i * ENTRY)
 }
 
+/// The end RVA of entry `i`.
 fn end_at(table: &[u8], i: usize) -> Option<u32> {
-    let b = table.get(i * ENTRY + 4..i * ENTRY + 8)?;
-    Some(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    crate::table_rva(table, i * ENTRY + 4)
 }
 
 /// The page index of `table` (`RUNTIME_FUNCTION` records sorted by their
@@ -37,6 +37,9 @@ fn end_at(table: &[u8], i: usize) -> Option<u32> {
 pub(crate) fn index(table: &[u8]) -> Vec<u32> {
     let count = table.len() / ENTRY;
     if count < INDEXED_FROM || u32::try_from(count).is_err() {
+        return Vec::new();
+    }
+    if (1..count).any(|i| begin_at(table, i - 1) > begin_at(table, i)) {
         return Vec::new();
     }
     let Some(last) = begin_at(table, count - 1) else { return Vec::new() };
@@ -48,9 +51,6 @@ pub(crate) fn index(table: &[u8]) -> Vec<u32> {
             entry += 1;
         }
         pages.push(entry as u32);
-    }
-    if (1..count).any(|i| begin_at(table, i - 1) > begin_at(table, i)) {
-        return Vec::new();
     }
     pages
 }
