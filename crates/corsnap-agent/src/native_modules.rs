@@ -39,7 +39,12 @@ impl NativeModules {
                     native_module_without_table(&elf, corsnap_abi::process::read_own_bytes)
                 });
                 if tables && entry.as_ref().is_some_and(NativeModule::table_pending) {
-                    *entry = entry.take().map(NativeModule::with_table);
+                    // The table on the heap; the granules a leaf reads
+                    // first where walks read fast (see `hot_memory`).
+                    *entry = entry
+                        .take()
+                        .map(NativeModule::with_table)
+                        .map(|module| corsnap_abi::hot_memory::allocate_hot(|| module.with_leaf_granules()));
                 }
                 entry.clone()
             })

@@ -566,7 +566,7 @@ impl SignalEngine {
         if let Some(sampler) = self.sampler.take() {
             // What the walks of the threads still running cost (see
             // `ThreadSlot::walk_counts`).
-            let (mut walks, mut counts) = (0, [0u64; 6]);
+            let (mut walks, mut counts) = (0, [0u64; 7]);
             for t in self.threads.values() {
                 if let Some(slot) = sampler.slot(t.slot) {
                     walks += slot.samples.load(std::sync::atomic::Ordering::Relaxed);
@@ -584,10 +584,11 @@ impl SignalEngine {
             ));
             log::write(format_args!(
                 "signal walks of the threads running at the end: {walks}; leaves stepped by a kept stretch: \
-                 {:.0}%; return addresses a walk looked up (in no table): {:.2}, and took from the process's \
+                 {:.0}%, by their native module's granule: {:.0}%; return addresses a walk looked up (in no table): {:.2}, and took from the process's \
                  table: {:.2}; frames a walk stepped by a compiled body rule: {:.2}; frames a walk stepped \
                  one by one: {:.1}, and took from the thread's last complete walk: {:.1}",
                 100.0 * per_walk(counts[0]),
+                100.0 * per_walk(counts[6]),
                 per_walk(counts[1]),
                 per_walk(counts[2]),
                 per_walk(counts[3]),

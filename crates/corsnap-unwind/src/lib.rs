@@ -36,6 +36,7 @@ mod known_addresses;
 mod last_walk;
 mod leaf_functions;
 mod leaf_rules;
+mod native_leaves;
 mod native_table;
 pub mod process;
 mod seqlock_table;
@@ -311,6 +312,10 @@ pub struct NativeModule {
     /// What the table is compiled from, while it is not yet (see
     /// [`NativeModule::without_table`]).
     table_inputs: Option<TableInputs>,
+    /// Its table's granules with their rules in place, for leaves (see
+    /// [`native_leaves`]): made apart from the table, so that the agent
+    /// can put them where walks read fast.
+    leaf_granules: Option<native_leaves::LeafGranules>,
 }
 
 /// `.eh_frame`, `.eh_frame_hdr` (start and bytes each) and `.text`: what a
@@ -366,7 +371,7 @@ impl NativeModule {
             ..Default::default()
         };
         let module = Module::new(name.clone(), code.clone(), bias, info);
-        NativeModule { name, code, bias, module, table: None, table_inputs }
+        NativeModule { name, code, bias, module, table: None, table_inputs, leaf_granules: None }
     }
 
     /// The module with its row table compiled (the same module if it has
@@ -380,6 +385,19 @@ impl NativeModule {
         self
     }
 
+    /// The module with its leaves' granules (see [`native_leaves`]) made
+    /// from its row table, if it has one: allocated here, so the caller
+    /// chooses where (the agent: on the walks' huge pages).
+    pub fn with_leaf_granules(mut self) -> NativeModule {
+        if let Some(table) = &self.table {
+            let (base, granules) = table.packed_granules();
+            if !granules.is_empty() {
+                self.leaf_granules = Some(native_leaves::LeafGranules { base, granules: granules.into() });
+            }
+        }
+        self
+    }
+
     /// Whether its row table is still to be compiled.
     pub fn table_pending(&self) -> bool {
         self.table_inputs.is_some()
@@ -387,7 +405,7 @@ impl NativeModule {
 
     /// The size of its row table (see [`native_table`]), in bytes.
     pub fn table_bytes(&self) -> usize {
-        self.table.as_ref().map_or(0, |t| t.size())
+        self.table.as_ref().map_or(0, |t| t.size()) + self.leaf_granules.as_ref().map_or(0, |g| g.granules.len() * 4)
     }
 }
 
@@ -519,6 +537,9 @@ pub struct CodeMap {
     /// search for a frame's module reads (a module's entry is hundreds of
     /// bytes, so each step of a search of `natives` was a line of its own).
     native_starts: Vec<u64>,
+    /// For each of `natives`, in the same order, what a leaf in it is
+    /// stepped by before any full lookup (see [`native_leaves`]).
+    native_leaves: Vec<native_leaves::NativeLeaves>,
 }
 
 /// The memories of the walks that serve every thread of the process (a
@@ -634,12 +655,14 @@ impl CodeMap {
             process_learning,
             natives_with_managed: Vec::new(),
             native_starts: Vec::new(),
+            native_leaves: Vec::new(),
         }
         .with_native_index()
     }
 
-    /// Fills [`CodeMap::natives_with_managed`] and
-    /// [`CodeMap::native_starts`] for this map's lists.
+    /// Fills [`CodeMap::natives_with_managed`],
+    /// [`CodeMap::native_starts`] and [`CodeMap::native_leaves`] for this
+    /// map's lists.
     fn with_native_index(mut self) -> CodeMap {
         self.native_starts = self.natives.iter().map(|m| m.code.start).collect();
         let overlaps = self
@@ -651,6 +674,17 @@ impl CodeMap {
             })
             .collect();
         self.natives_with_managed = overlaps;
+        // Granules of a module that holds managed code could answer for an
+        // address in that code: none.
+        self.native_leaves = self
+            .natives
+            .iter()
+            .zip(&self.natives_with_managed)
+            .map(|(m, &with_managed)| native_leaves::NativeLeaves {
+                end: m.code.end,
+                granules: m.leaf_granules.clone().filter(|_| !with_managed).unwrap_or_default(),
+            })
+            .collect();
         self
     }
 
@@ -829,6 +863,9 @@ pub struct Walk {
     /// The leaf was stepped by a stretch kept in the process's table (see
     /// [`leaf_rules`]), not looked up in full.
     pub leaf_by_stretch: bool,
+    /// The leaf, in native code, was stepped by its module's granule (see
+    /// [`native_leaves`]), not looked up in full.
+    pub leaf_by_granule: bool,
     /// Return addresses looked up in full (none of the tables knew them).
     pub looked_up: u32,
     /// Return addresses the thread's table did not hold and the process's
@@ -892,6 +929,7 @@ pub fn walk_until<M: Memory>(
     cache.looked_up = 0;
     cache.from_process_table = 0;
     let mut leaf_by_stretch = false;
+    let mut leaf_by_granule = false;
     let mut by_body_rule = 0;
     let mut regs = regs;
     // The leaf, and a context a signal frame saved, are exact instruction
@@ -999,8 +1037,16 @@ pub fn walk_until<M: Memory>(
         let mut native_frame = false;
         // An exact address in a stretch of code met lately: its rule, with
         // no region, function, record or row looked up (see [`leaf_rules`]).
-        let by_leaf_rule = if exact && len == 1 { leaf_rule_step(map, mem, regs) } else { None };
-        leaf_by_stretch |= by_leaf_rule.is_some();
+        let by_leaf_rule = if exact && len == 1 {
+            // Else, native code: its module's granule (see [`native_leaves`]).
+            leaf_rule_step(map, mem, regs).inspect(|_| leaf_by_stretch = true).or_else(|| {
+                let (next, rule) = native_leaves::native_leaf_step(map, mem, regs, cache)?;
+                leaf_by_granule = true;
+                Some((next, true, rule))
+            })
+        } else {
+            None
+        };
         let hit = if by_leaf_rule.is_some() {
             None
         } else {
@@ -1216,6 +1262,7 @@ pub fn walk_until<M: Memory>(
         path_frames,
         rest_frames,
         leaf_by_stretch,
+        leaf_by_granule,
         looked_up: cache.looked_up,
         from_process_table: cache.from_process_table,
         by_body_rule,

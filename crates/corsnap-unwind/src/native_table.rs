@@ -115,6 +115,31 @@ impl CfiRule {
         self.cfa_from_bp
     }
 
+    /// The rule in 16 bits, for [`NativeTable::packed_granules`]: the
+    /// frame-pointer flag (bit 15), the CFA's offset in words (bits 6 to 14:
+    /// 8 to 4,088 bytes) and where the caller's frame pointer was saved, in
+    /// words below the CFA (bits 0 to 5; 0 for not saved). Never 0 (the
+    /// CFA is at least a word above its base); `None` for a rule that does
+    /// not fit, which the rows serve instead.
+    pub(crate) fn packed(&self) -> Option<u16> {
+        let words = u16::try_from(self.cfa_offset).ok().filter(|o| o % 8 == 0 && (8..=511 * 8).contains(o))? / 8;
+        let bp = match self.bp_at {
+            None => 0,
+            Some(at) => u16::try_from(-at).ok().filter(|b| b % 8 == 0 && (8..=63 * 8).contains(b))? / 8,
+        };
+        Some(u16::from(self.cfa_from_bp) << 15 | words << 6 | bp)
+    }
+
+    /// Back from [`CfiRule::packed`]; `None` for 0.
+    pub(crate) fn unpacked(packed: u16) -> Option<CfiRule> {
+        let words = i32::from(packed >> 6 & 0x1ff);
+        if words == 0 {
+            return None;
+        }
+        let bp = i32::from(packed & 0x3f);
+        Some(CfiRule { cfa_from_bp: packed >> 15 != 0, cfa_offset: words * 8, bp_at: (bp != 0).then_some(-bp * 8) })
+    }
+
     #[cfg(test)]
     pub(crate) fn for_tests(cfa_from_bp: bool, cfa_offset: i32, bp_at: Option<i32>) -> CfiRule {
         CfiRule { cfa_from_bp, cfa_offset, bp_at }
@@ -280,6 +305,46 @@ impl NativeTable {
         }
     }
 
+    /// For each 64-byte granule of code from `base`, the rule of the row
+    /// that holds its last byte, packed into the low 16 bits
+    /// ([`CfiRule::packed`]), with where in the granule that row begins
+    /// (0 if before it) in the high 16: the rule holds from there to the
+    /// granule's end. 0 where that row has no rule that fits (or is the end
+    /// of the stack). A function's prologue and its last epilogue leave
+    /// the granules they are in to several rows, and a short function (the
+    /// runtime has many) is mostly such granules: the last row of one is
+    /// the function's body, where samples fall. What [`crate::native_leaves`]
+    /// reads; empty when no granule has a rule.
+    pub(crate) fn packed_granules(&self) -> (u64, Vec<u32>) {
+        let Some(&last) = self.starts.last() else { return (self.base, Vec::new()) };
+        let count = (last >> GRANULE_SHIFT) as usize + 1;
+        let mut packed = Vec::with_capacity(count);
+        let mut row = 0usize;
+        for granule in 0..count as u64 {
+            let (start, end) = (granule << GRANULE_SHIFT, (granule + 1) << GRANULE_SHIFT);
+            // The last row starting before the granule's end.
+            while self.starts.get(row + 1).is_some_and(|&next| u64::from(next) < end) {
+                row += 1;
+            }
+            let row_start = u64::from(self.starts[row]);
+            // The last row runs to no next row: it is no row (see `build`).
+            let value = match self.rule_of[row] {
+                _ if row_start >= end || row + 1 >= self.starts.len() => 0,
+                NO_RULE | END_OF_STACK => 0,
+                index => self
+                    .rules
+                    .get(usize::from(index))
+                    .and_then(CfiRule::packed)
+                    .map_or(0, |rule| (row_start.saturating_sub(start) as u32) << 16 | u32::from(rule)),
+            };
+            packed.push(value);
+        }
+        if packed.iter().all(|&p| p == 0) {
+            return (self.base, Vec::new());
+        }
+        (self.base, packed)
+    }
+
     /// The index of `rule` in the table's rules, added if new.
     fn rule_index(&mut self, rule: Option<CfiRule>) -> u16 {
         let Some(rule) = rule else { return NO_RULE };
@@ -416,6 +481,55 @@ mod tests {
             }
         }
         assert!(by_granule > 8000, "{by_granule} addresses served by granules");
+        // The packed granules give the rows' rule wherever they give one,
+        // and give one wherever a granule does, and in the part of a
+        // granule after its last row's start.
+        let (base, packed) = table.packed_granules();
+        assert_eq!(base, table.base);
+        let mut by_packed = 0;
+        for offset in 0..9200u32 {
+            let address = table.base + u64::from(offset);
+            let value = packed.get((offset >> GRANULE_SHIFT) as usize).copied().unwrap_or(0);
+            let from = value >> 16;
+            let rule = CfiRule::unpacked(value as u16).filter(|_| offset & 63 >= from);
+            let searched = table.row_by_search(address, offset);
+            match (rule, &searched) {
+                (Some(rule), Some((found, _))) => {
+                    assert_eq!(RowRule::Step(rule), *found, "at {offset}");
+                    by_packed += 1;
+                }
+                (Some(rule), None) => panic!("at {offset}: {rule:?} where the rows have none"),
+                (None, Some((RowRule::Step(_), row))) => {
+                    // Only a row that ends inside its granule is left to the
+                    // search.
+                    assert!(row.end < table.base + u64::from((offset | 63) + 1), "at {offset}: {row:x?}");
+                }
+                (None, _) => {}
+            }
+        }
+        assert!(by_packed > 8500, "{by_packed} addresses served by packed granules");
+    }
+
+    #[test]
+    fn rules_pack_into_16_bits_and_back_or_not_at_all() {
+        for (from_bp, cfa_offset, bp_at) in [
+            (false, 8, None),
+            (false, 16, Some(-16)),
+            (true, 16, Some(-16)),
+            (false, 0x98, Some(-0x48)),
+            (true, 4088, Some(-504)),
+        ] {
+            let rule = CfiRule::for_tests(from_bp, cfa_offset, bp_at);
+            let packed = rule.packed().expect("fits");
+            assert_ne!(packed, 0);
+            assert_eq!(CfiRule::unpacked(packed), Some(rule));
+        }
+        for (cfa_offset, bp_at) in
+            [(4096, None), (0, None), (12, None), (-8, None), (16, Some(-512)), (16, Some(8)), (16, Some(-12))]
+        {
+            assert_eq!(CfiRule::for_tests(false, cfa_offset, bp_at).packed(), None, "{cfa_offset} {bp_at:?}");
+        }
+        assert_eq!(CfiRule::unpacked(0), None);
     }
 
     use crate::stack_words::StackWords as Stack;

@@ -659,6 +659,7 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
             walk.by_body_rule.into(),
             walk.len.saturating_sub(walk.path_frames + walk.rest_frames) as u64,
             walk.rest_frames as u64,
+            u64::from(walk.leaf_by_granule),
         ];
         for (count, add) in slot.walk_counts.iter().zip(counts).filter(|&(_, add)| add != 0) {
             count.store(count.load(Ordering::Relaxed) + add, Ordering::Relaxed);

@@ -64,9 +64,10 @@ pub struct ThreadSlot {
     /// the return addresses they looked up (in no table), those they took
     /// from the process's table, and the frames stepped by a compiled body
     /// rule (see [`corsnap_unwind::Walk`]), the frames it stepped one by one
-    /// and those it took from the last complete walk: what the handler's
-    /// cost follows.
-    pub walk_counts: [AtomicU64; 6],
+    /// and those it took from the last complete walk, and how many took
+    /// their leaf's step from its native module's granule: what the
+    /// handler's cost follows.
+    pub walk_counts: [AtomicU64; 7],
     pub(super) walking: UnsafeCell<Walking>,
     /// Of those, samples taken on request ([`Sampler::request_sample`]):
     /// what a request waits on, since a timer's sample may land meanwhile.
