@@ -1087,8 +1087,14 @@ pub fn walk_until<M: Memory>(
         // the return address undefined): the walk ends, with no row or
         // module looked up.
         let outermost = !exact && native_hit && hit.is_some_and(|h| h.rule.is_outermost());
+        // A return address no table knew, in native code: its module's
+        // granule, as for a leaf (see [`native_leaves`]).
+        let by_granule = match (hit, &by_leaf_rule) {
+            (None, None) if !exact => native_leaves::native_return_step(map, mem, regs, lookup),
+            _ => None,
+        };
         let region_index = match hit {
-            _ if by_rule.is_some() || by_leaf_rule.is_some() || outermost => None,
+            _ if by_rule.is_some() || by_leaf_rule.is_some() || outermost || by_granule.is_some() => None,
             Some(h) if !native_hit => h.region.map(|r| r as usize).or_else(|| map.managed_index_at(lookup)),
             Some(_) => None,
             // In a module of native code alone, the search of the managed
@@ -1117,6 +1123,12 @@ pub fn walk_until<M: Memory>(
             } else {
                 managed_caller(map, mem, cache, regs, next, &mut flags, &mut undone_hijack)
             }
+        } else if let Some((next, module, rule)) = by_granule {
+            native_frame = true;
+            let kept = RowRule::Step(rule).kept().unwrap_or(FrameRule::UNSUITABLE);
+            cache.learn(map.lineage, KnownAddress::new(lookup, module as u32, kept, true));
+            tracked = Some(Tracked::Native(rule));
+            Step::Next(next)
         } else if let Some(next) = by_rule {
             tracked = hit.map(|h| Tracked::Frame(h.rule));
             if native_hit {

@@ -91,6 +91,19 @@ impl NativeLeaves {
     }
 }
 
+/// The rule of the native code at `lookup` from its module's granule,
+/// when the granule has one there: with the module's index and the
+/// stretch around `lookup` the rule holds for. Never in the hijack
+/// trampoline, whose CFI misleads (see `hijack_stub_step`).
+fn granule_rule(map: &CodeMap, lookup: u64) -> Option<(usize, CfiRule, Range<u64>)> {
+    if map.hijack_stub.as_ref().is_some_and(|s| s.range.contains(&lookup)) {
+        return None;
+    }
+    let i = map.native_starts.partition_point(|&start| start <= lookup).checked_sub(1)?;
+    let (rule, stretch) = map.native_leaves.get(i).filter(|l| lookup < l.end)?.rule_at(lookup)?;
+    Some((i, rule, stretch))
+}
+
 /// The first frame of a walk, at `regs` (an exact address), stepped by its
 /// module's granule, when the granule has a rule: the caller, and the rule
 /// as the walk cache keeps it. The stretch it holds for goes to the walk
@@ -102,15 +115,24 @@ pub(crate) fn native_leaf_step<M: Memory>(
     regs: Regs,
     cache: &mut WalkCache,
 ) -> Option<(Regs, FrameRule)> {
-    // The trampoline's CFI misleads (see `hijack_stub_step`).
-    if map.hijack_stub.as_ref().is_some_and(|s| s.range.contains(&regs.ip)) {
-        return None;
-    }
-    let i = map.native_starts.partition_point(|&start| start <= regs.ip).checked_sub(1)?;
-    let leaves = map.native_leaves.get(i).filter(|l| regs.ip < l.end)?;
-    let (rule, stretch) = leaves.rule_at(regs.ip)?;
+    let (_, rule, stretch) = granule_rule(map, regs.ip)?;
     let next = rule.caller(mem, regs)?;
     let kept = rule.as_frame_rule().filter(|kept| kept.apply(mem, regs) == Some(next))?;
     cache.learned = Some(LearnedStretch::new(map.lineage, regs.ip, stretch, true, kept));
     Some((next, kept))
+}
+
+/// A frame at a return address (`regs.ip`) that no table of return
+/// addresses holds, stepped by its module's granule at the call
+/// (`lookup`), as [`native_leaf_step`] steps a leaf: the caller, the
+/// module's index, the row's rule. The caller learns the address, as after
+/// a full lookup. `None`: the full lookup decides.
+pub(crate) fn native_return_step<M: Memory>(
+    map: &CodeMap,
+    mem: &M,
+    regs: Regs,
+    lookup: u64,
+) -> Option<(Regs, usize, CfiRule)> {
+    let (module, rule, _) = granule_rule(map, lookup)?;
+    Some((rule.caller(mem, regs)?, module, rule))
 }
