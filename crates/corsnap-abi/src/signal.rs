@@ -216,7 +216,7 @@ pub fn hijack_fields_offset() -> u64 {
 mod tests {
     use super::*;
     use corsnap_unwind::process::{native_module, parse_maps, stack_ranges, LoadedElf};
-    use corsnap_unwind::{address_of, flags};
+    use corsnap_unwind::{address_of, flags, NativeModule};
 
     /// A copy of a stack carries the original return address in place of a
     /// hijack that the walk did not meet, and nothing else is changed: not
@@ -282,10 +282,11 @@ mod tests {
     }
 
     /// Every native frame the row tables have a rule for unwinds as
-    /// framehop unwinds it, as a leaf and as a return address: addresses all
-    /// through this process's libraries (libc, libm, the loader, this test's
-    /// own code), on a stack whose every word differs, so that a wrong
-    /// offset reads a wrong value.
+    /// framehop unwinds it, as a leaf and as a return address, and as the
+    /// packed granules step it wherever they do: addresses all through this
+    /// process's libraries (libc, libm, the loader, this test's own code),
+    /// on a stack whose every word differs, so that a wrong offset reads a
+    /// wrong value.
     #[test]
     fn native_frames_unwind_by_the_row_tables_as_by_framehop() {
         struct Distinct;
@@ -303,7 +304,7 @@ mod tests {
         eprintln!("row tables: {bytes} bytes, built with the map in {:?}", started.elapsed());
         let (objects, _) = crate::process::loaded_objects();
         let mut cache = corsnap_unwind::WalkCache::new();
-        let (mut compared, mut ends, mut wrong) = (0u64, 0u64, Vec::new());
+        let (mut compared, mut ends, mut by_granule, mut wrong) = (0u64, 0u64, 0u64, Vec::new());
         for o in &objects {
             for &(start, len, _) in o.segments.iter().filter(|s| s.2) {
                 for address in (o.bias.wrapping_add(start)..o.bias.wrapping_add(start + len)).step_by(37) {
@@ -326,12 +327,21 @@ mod tests {
                         if !same && wrong.len() < 10 {
                             wrong.push((o.name.clone(), address - o.bias, exact, table, framehop));
                         }
+                        if let Some(granule) = corsnap_unwind::native_frame_by_granule(&map, &Distinct, regs, exact) {
+                            by_granule += 1;
+                            if Some(granule) != table && wrong.len() < 10 {
+                                wrong.push((o.name.clone(), address - o.bias, exact, Some(granule), table));
+                            }
+                        }
                     }
                 }
             }
         }
-        eprintln!("{compared} frames compared, {ends} of them at a row that ends the stack");
+        eprintln!(
+            "{compared} frames compared, {ends} of them at a row that ends the stack, {by_granule} stepped by granules too"
+        );
         assert!(compared > 20_000, "only {compared} frames had a rule");
+        assert!(by_granule * 10 > compared * 8, "only {by_granule} of {compared} frames stepped by granules");
         assert!(wrong.is_empty(), "{wrong:#x?}");
     }
 
@@ -342,7 +352,7 @@ mod tests {
             .filter_map(|o| {
                 let elf =
                     LoadedElf { name: &o.name, bias: o.bias, segments: &o.segments, eh_frame_hdr: o.eh_frame_hdr };
-                native_module(&elf, crate::process::read_own_bytes)
+                native_module(&elf, crate::process::read_own_bytes).map(NativeModule::with_leaf_granules)
             })
             .collect();
         let maps = parse_maps(&std::fs::read_to_string("/proc/self/maps").unwrap());

@@ -1523,6 +1523,18 @@ pub fn native_frame_both_ways<M: Memory>(
     Some((table, framehop))
 }
 
+/// For tests: a native frame at `regs` (a leaf when `exact`, else a return
+/// address) stepped by its module's granule (see [`native_leaves`]), when
+/// the granule has a rule there.
+#[doc(hidden)]
+pub fn native_frame_by_granule<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool) -> Option<Regs> {
+    if exact {
+        native_leaves::native_leaf_step(map, mem, regs, &mut WalkCache::new()).map(|(next, _)| next)
+    } else {
+        native_leaves::native_return_step(map, mem, regs, regs.ip.wrapping_sub(1)).map(|(next, _, _)| next)
+    }
+}
+
 /// The size of the native modules' row tables, in bytes.
 pub fn native_table_bytes(map: &CodeMap) -> usize {
     map.natives.iter().map(NativeModule::table_bytes).sum()
