@@ -390,9 +390,9 @@ impl NativeModule {
     /// chooses where (the agent: on the walks' huge pages).
     pub fn with_leaf_granules(mut self) -> NativeModule {
         if let Some(table) = &self.table {
-            let (base, granules) = table.packed_granules();
-            if !granules.is_empty() {
-                self.leaf_granules = Some(native_leaves::LeafGranules { base, granules: granules.into() });
+            let (base, packed) = table.packed_granules();
+            if !packed.is_empty() {
+                self.leaf_granules = Some(native_leaves::LeafGranules { base, packed });
             }
         }
         self
@@ -405,7 +405,7 @@ impl NativeModule {
 
     /// The size of its row table (see [`native_table`]), in bytes.
     pub fn table_bytes(&self) -> usize {
-        self.table.as_ref().map_or(0, |t| t.size()) + self.leaf_granules.as_ref().map_or(0, |g| g.granules.len() * 4)
+        self.table.as_ref().map_or(0, |t| t.size()) + self.leaf_granules.as_ref().map_or(0, |g| g.packed.size())
     }
 }
 

@@ -25,15 +25,11 @@
 //! the same rows.
 
 use std::ops::Range;
-use std::sync::Arc;
 
 use crate::frame_rule::FrameRule;
-use crate::leaf_rules::{LearnedStretch, NEIGHBOURHOOD};
-use crate::native_table::CfiRule;
+use crate::leaf_rules::LearnedStretch;
+use crate::native_table::{CfiRule, PackedGranules};
 use crate::{CodeMap, Memory, Regs, WalkCache};
-
-/// The granule's size: that of the row table's granule index.
-const GRANULE_SHIFT: u32 = 6;
 
 /// A module's granules with their rules in place (see the module's
 /// documentation): cheap to clone, shared by every map of the module.
@@ -41,9 +37,7 @@ const GRANULE_SHIFT: u32 = 6;
 pub(crate) struct LeafGranules {
     /// Where granule 0 begins (actual address).
     pub(crate) base: u64,
-    /// Packed rules, and where in the granule each begins to hold (see
-    /// [`crate::native_table::NativeTable::packed_granules`]), 0 for none.
-    pub(crate) granules: Arc<[u32]>,
+    pub(crate) packed: PackedGranules,
 }
 
 /// What the map keeps per native module for its leaves: where its code
@@ -55,39 +49,12 @@ pub(crate) struct NativeLeaves {
 }
 
 impl NativeLeaves {
-    /// The rule at `ip` (which lies in the module), and the granules around
-    /// it that have the same one, as far as a leaf's stretch is kept from
-    /// the address met.
+    /// The rule at `ip` (which lies in the module), and the addresses
+    /// around it it holds for (see [`PackedGranules::rule_at`]).
     fn rule_at(&self, ip: u64) -> Option<(CfiRule, Range<u64>)> {
-        let LeafGranules { base, granules } = &self.granules;
-        let offset = ip.checked_sub(*base)?;
-        let at = usize::try_from(offset >> GRANULE_SHIFT).ok()?;
-        let value = *granules.get(at)?;
-        let from = u64::from(value >> 16);
-        if offset & ((1 << GRANULE_SHIFT) - 1) < from {
-            return None;
-        }
-        let rule = CfiRule::unpacked(value as u16)?;
-        // Whole granules with the same rule on either side (from the start
-        // of the row's granule, if it began in the one before).
-        let whole = value & 0xffff;
-        let reach = (NEIGHBOURHOOD >> GRANULE_SHIFT) as usize;
-        let (mut first, mut first_from) = (at, from);
-        if from == 0 {
-            for i in (at.saturating_sub(reach)..at).rev() {
-                match granules.get(i) {
-                    Some(&v) if v == whole => first = i,
-                    Some(&v) if v & 0xffff == whole => {
-                        (first, first_from) = (i, u64::from(v >> 16));
-                        break;
-                    }
-                    _ => break,
-                }
-            }
-        }
-        let last = (at + 1..=at + reach).take_while(|&i| granules.get(i) == Some(&whole)).last().unwrap_or(at);
-        let start = base + ((first as u64) << GRANULE_SHIFT) + first_from;
-        Some((rule, start..base + ((last as u64 + 1) << GRANULE_SHIFT)))
+        let LeafGranules { base, packed } = &self.granules;
+        let (rule, offsets) = packed.rule_at(ip.checked_sub(*base)?)?;
+        Some((rule, base + offsets.start..base + offsets.end))
     }
 }
 

@@ -21,6 +21,7 @@
 //! are left to framehop, as is any address the table has no row for.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use gimli::{
     BaseAddresses, CfaRule, EhFrame, EhFrameHdr, LittleEndian, Pointer, RegisterRule, UnwindContext,
@@ -172,6 +173,82 @@ impl CfiRule {
     }
 }
 
+/// A granule's word ([`PackedGranules::granules`]) that lists its rows
+/// in [`PackedGranules::rows`] from the index in its low 31 bits.
+const SEVERAL_ROWS: u32 = 1 << 31;
+/// A row's word that is its granule's last.
+const LAST_ROW: u32 = 1 << 31;
+
+/// A module's rows by 64-byte granule, with their rules in place, for a
+/// leaf's step in one or two reads (see [`crate::native_leaves`]). For each
+/// granule one word: the rule of the one row that holds the granule whole,
+/// packed ([`CfiRule::packed`], 0 for none), or [`SEVERAL_ROWS`] and where
+/// its rows are listed in `rows`. A row's word there: where in the granule
+/// it begins (bits 16 to 21; the first begins before the granule, or at its
+/// start), its packed rule, and [`LAST_ROW`] on the granule's last. A
+/// function's prologue and epilogues leave the granules they are in to
+/// several rows, and a short function (the runtime has many) is mostly
+/// such granules.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PackedGranules {
+    granules: Arc<[u32]>,
+    rows: Arc<[u32]>,
+}
+
+impl PackedGranules {
+    /// The rule at `offset` (from the granules' origin), and the offsets
+    /// around it it holds for: its row within the granule, and the whole
+    /// granules next to it with the same rule, as far as a leaf's stretch is
+    /// kept (see [`crate::leaf_rules`]).
+    pub(crate) fn rule_at(&self, offset: u64) -> Option<(CfiRule, Range<u64>)> {
+        let at = usize::try_from(offset >> GRANULE_SHIFT).ok()?;
+        let start = (at as u64) << GRANULE_SHIFT;
+        let end = start + (1 << GRANULE_SHIFT);
+        let word = *self.granules.get(at)?;
+        let reach = (NEIGHBOURHOOD >> GRANULE_SHIFT) as usize;
+        let whole = |i: usize, packed: u32| self.granules.get(i) == Some(&packed);
+        if word & SEVERAL_ROWS == 0 {
+            let rule = CfiRule::unpacked(word as u16)?;
+            let first = (at.saturating_sub(reach)..at).rev().take_while(|&i| whole(i, word)).last().unwrap_or(at);
+            let last = (at + 1..=at + reach).take_while(|&i| whole(i, word)).last().unwrap_or(at);
+            return Some((rule, (first as u64) << GRANULE_SHIFT..(last as u64 + 1) << GRANULE_SHIFT));
+        }
+        let listed = self.rows.get((word & !SEVERAL_ROWS) as usize..)?;
+        let in_granule = offset - start;
+        let (mut found, mut found_from, mut until) = (None, 0, end);
+        for (k, &row) in listed.iter().enumerate() {
+            let from = u64::from(row >> 16 & 0x3f);
+            if from > in_granule {
+                until = start + from;
+                break;
+            }
+            (found, found_from) = (Some(row), from);
+            if row & LAST_ROW != 0 || k + 1 == listed.len() {
+                break;
+            }
+        }
+        let row = found?;
+        let rule = CfiRule::unpacked(row as u16)?;
+        let last = if row & LAST_ROW != 0 {
+            let packed = row & 0xffff;
+            (at + 1..=at + reach).take_while(|&i| whole(i, packed)).last().unwrap_or(at)
+        } else {
+            at
+        };
+        let stretch_end = if last > at { (last as u64 + 1) << GRANULE_SHIFT } else { until };
+        Some((rule, start + found_from..stretch_end))
+    }
+
+    /// Bytes held.
+    pub(crate) fn size(&self) -> usize {
+        (self.granules.len() + self.rows.len()) * 4
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.granules.is_empty()
+    }
+}
+
 /// A module's rows, by address.
 #[derive(Debug)]
 pub(crate) struct NativeTable {
@@ -305,44 +382,56 @@ impl NativeTable {
         }
     }
 
-    /// For each 64-byte granule of code from `base`, the rule of the row
-    /// that holds its last byte, packed into the low 16 bits
-    /// ([`CfiRule::packed`]), with where in the granule that row begins
-    /// (0 if before it) in the high 16: the rule holds from there to the
-    /// granule's end. 0 where that row has no rule that fits (or is the end
-    /// of the stack). A function's prologue and its last epilogue leave
-    /// the granules they are in to several rows, and a short function (the
-    /// runtime has many) is mostly such granules: the last row of one is
-    /// the function's body, where samples fall. What [`crate::native_leaves`]
-    /// reads; empty when no granule has a rule.
-    pub(crate) fn packed_granules(&self) -> (u64, Vec<u32>) {
-        let Some(&last) = self.starts.last() else { return (self.base, Vec::new()) };
+    /// The table's rows as [`PackedGranules`], with `base`, where granule
+    /// 0 begins: what [`crate::native_leaves`] reads.
+    pub(crate) fn packed_granules(&self) -> (u64, PackedGranules) {
+        let Some(&last) = self.starts.last() else { return (self.base, PackedGranules::default()) };
         let count = (last >> GRANULE_SHIFT) as usize + 1;
-        let mut packed = Vec::with_capacity(count);
-        let mut row = 0usize;
+        let mut granules = Vec::with_capacity(count);
+        let mut rows = Vec::new();
+        // The packed rule of row `i`: 0 for none (the last row runs to no
+        // next row: it is no row, see `build`).
+        let packed_rule = |i: usize| match self.rule_of[i] {
+            _ if i + 1 >= self.starts.len() => 0,
+            NO_RULE | END_OF_STACK => 0,
+            index => self.rules.get(usize::from(index)).and_then(CfiRule::packed).unwrap_or(0),
+        };
+        // The last row starting at or before the granule's start, if any.
+        let mut row: Option<usize> = None;
         for granule in 0..count as u64 {
             let (start, end) = (granule << GRANULE_SHIFT, (granule + 1) << GRANULE_SHIFT);
-            // The last row starting before the granule's end.
-            while self.starts.get(row + 1).is_some_and(|&next| u64::from(next) < end) {
-                row += 1;
+            let starts_at = |i: usize| self.starts.get(i).map(|&s| u64::from(s));
+            while starts_at(row.map_or(0, |r| r + 1)).is_some_and(|next| next <= start) {
+                row = Some(row.map_or(0, |r| r + 1));
             }
-            let row_start = u64::from(self.starts[row]);
-            // The last row runs to no next row: it is no row (see `build`).
-            let value = match self.rule_of[row] {
-                _ if row_start >= end || row + 1 >= self.starts.len() => 0,
-                NO_RULE | END_OF_STACK => 0,
-                index => self
-                    .rules
-                    .get(usize::from(index))
-                    .and_then(CfiRule::packed)
-                    .map_or(0, |rule| (row_start.saturating_sub(start) as u32) << 16 | u32::from(rule)),
-            };
-            packed.push(value);
+            let first_inside = row.map_or(0, |r| r + 1);
+            let inside = (first_inside..self.starts.len()).take_while(|&i| starts_at(i).is_some_and(|s| s < end));
+            if first_inside >= self.starts.len() || starts_at(first_inside).is_none_or(|s| s >= end) {
+                // One row holds the granule whole (or none does).
+                granules.push(row.map_or(0, |r| u32::from(packed_rule(r))));
+                continue;
+            }
+            let mut listed: Vec<u32> = Vec::new();
+            if let Some(r) = row {
+                listed.push(u32::from(packed_rule(r)));
+            }
+            for i in inside {
+                listed.push(((starts_at(i).unwrap_or(start) - start) as u32) << 16 | u32::from(packed_rule(i)));
+            }
+            if listed.iter().all(|&e| e & 0xffff == 0) {
+                granules.push(0);
+                continue;
+            }
+            if let Some(last) = listed.last_mut() {
+                *last |= LAST_ROW;
+            }
+            granules.push(SEVERAL_ROWS | rows.len() as u32);
+            rows.extend(listed);
         }
-        if packed.iter().all(|&p| p == 0) {
-            return (self.base, Vec::new());
+        if granules.iter().all(|&g| g == 0) || rows.len() >= SEVERAL_ROWS as usize {
+            return (self.base, PackedGranules::default());
         }
-        (self.base, packed)
+        (self.base, PackedGranules { granules: granules.into(), rows: rows.into() })
     }
 
     /// The index of `rule` in the table's rules, added if new.
@@ -481,29 +570,24 @@ mod tests {
             }
         }
         assert!(by_granule > 8000, "{by_granule} addresses served by granules");
-        // The packed granules give the rows' rule wherever they give one,
-        // and give one wherever a granule does, and in the part of a
-        // granule after its last row's start.
+        // The packed granules give every address the rows' rule (all of
+        // these fit), in a stretch of the row that holds the address.
         let (base, packed) = table.packed_granules();
         assert_eq!(base, table.base);
+        assert!(!packed.rows.is_empty(), "granules of several rows");
         let mut by_packed = 0;
         for offset in 0..9200u32 {
-            let address = table.base + u64::from(offset);
-            let value = packed.get((offset >> GRANULE_SHIFT) as usize).copied().unwrap_or(0);
-            let from = value >> 16;
-            let rule = CfiRule::unpacked(value as u16).filter(|_| offset & 63 >= from);
-            let searched = table.row_by_search(address, offset);
-            match (rule, &searched) {
-                (Some(rule), Some((found, _))) => {
+            let searched = table.row_by_search(table.base + u64::from(offset), offset);
+            match (packed.rule_at(u64::from(offset)), &searched) {
+                (Some((rule, stretch)), Some((found, row))) => {
                     assert_eq!(RowRule::Step(rule), *found, "at {offset}");
+                    let stretch = table.base + stretch.start..table.base + stretch.end;
+                    assert!(stretch.contains(&(table.base + u64::from(offset))), "at {offset}: {stretch:x?}");
+                    assert!(row.start <= stretch.start && stretch.end <= row.end, "at {offset}: {stretch:x?} {row:x?}");
                     by_packed += 1;
                 }
                 (Some(rule), None) => panic!("at {offset}: {rule:?} where the rows have none"),
-                (None, Some((RowRule::Step(_), row))) => {
-                    // Only a row that ends inside its granule is left to the
-                    // search.
-                    assert!(row.end < table.base + u64::from((offset | 63) + 1), "at {offset}: {row:x?}");
-                }
+                (None, Some((RowRule::Step(_), _))) => panic!("at {offset}: no rule where the rows have one"),
                 (None, _) => {}
             }
         }
