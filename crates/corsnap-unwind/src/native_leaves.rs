@@ -7,22 +7,22 @@
 //! native modules, the module's entry (hundreds of bytes), its row table's
 //! header, the granule byte, the rule it names. At 100 samples a second each
 //! was a cold read on its own line, most on 4 KiB pages of the heap, one
-//! after another. Timed with the cycle counter on `taskfaults.cs` (.NET 10,
-//! where over a third of the samples are such leaves, in the runtime's
-//! exception code): 11,000 to 12,500 cycles a leaf, against 1,300 to 1,600
+//! after another. Timed with the cycle counter on `taskfaults.cs` (.NET 10
+//! and 8, where a third of the samples are such leaves, in the runtime's
+//! exception code): 9,600 to 14,600 cycles a leaf, against 1,000 to 2,100
 //! for a leaf in a kept stretch.
 //!
-//! So each native module with a row table gets, beside it, its granule
-//! index with the rules in place: 32 bits per 64 bytes of code (the rule of
-//! the row that ends the granule, packed, and where in the granule that row
-//! begins; 0 where the rows must be searched), allocated by the agent on
-//! the walks' huge pages. The map keeps for each module only where its code
-//! ends, the granules' origin and the granules, 32 bytes, two modules to a
-//! line, beside the module starts it searches already. A leaf not in a kept
-//! stretch then costs that entry and one granule; anything else (a granule
-//! of mixed rows, a module that holds managed code, the hijack trampoline)
+//! So each native module with a row table gets, beside it, its rows by
+//! granule with the rules in place ([`PackedGranules`]: a word per 64 bytes
+//! of code, the rule of the one row that holds the granule whole, or where
+//! the granule's several rows are listed), allocated by the agent on the
+//! walks' huge pages. The map keeps for each module only where its code
+//! ends, the granules' origin and the granules (48 bytes), beside the
+//! module starts it searches already. A leaf not in a kept stretch then
+//! costs that entry and its granule's word (and list); a module that holds
+//! managed code, the hijack trampoline, or a row whose rule does not pack
 //! goes on to the full lookup, which gives the same step: both come from
-//! the same rows.
+//! the same rows. A return address no table knows is stepped the same way.
 
 use std::ops::Range;
 
