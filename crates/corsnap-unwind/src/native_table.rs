@@ -216,14 +216,14 @@ impl PackedGranules {
         let listed = self.rows.get((word & !SEVERAL_ROWS) as usize..)?;
         let in_granule = offset - start;
         let (mut found, mut found_from, mut until) = (None, 0, end);
-        for (k, &row) in listed.iter().enumerate() {
+        for &row in listed {
             let from = u64::from(row >> 16 & 0x3f);
             if from > in_granule {
                 until = start + from;
                 break;
             }
             (found, found_from) = (Some(row), from);
-            if row & LAST_ROW != 0 || k + 1 == listed.len() {
+            if row & LAST_ROW != 0 {
                 break;
             }
         }
@@ -267,10 +267,12 @@ pub(crate) struct NativeTable {
     /// For each 64-byte granule of code from `base`, the rule of the one
     /// row that covers all of it (an index into `rules`, or
     /// [`GRANULE_END_OF_STACK`]), or [`MIXED`]; empty when the rules do not
-    /// fit a byte. A leaf is mostly in a function's body, one row long,
+    /// fit a byte. A frame is mostly in a function's body, one row long,
     /// and there this is one read, where the search of the rows was three
     /// reads one after another (page index, row starts, row rules), each a
-    /// cache miss at 100 samples a second.
+    /// cache miss at 100 samples a second. (A leaf, and a return address
+    /// no table knows, are stepped by [`PackedGranules`] first; this serves
+    /// what those leave to the full lookup, and the agent's own lookups.)
     granules: Vec<u8>,
 }
 
@@ -405,28 +407,25 @@ impl NativeTable {
                 row = Some(row.map_or(0, |r| r + 1));
             }
             let first_inside = row.map_or(0, |r| r + 1);
-            let inside = (first_inside..self.starts.len()).take_while(|&i| starts_at(i).is_some_and(|s| s < end));
-            if first_inside >= self.starts.len() || starts_at(first_inside).is_none_or(|s| s >= end) {
+            if starts_at(first_inside).is_none_or(|s| s >= end) {
                 // One row holds the granule whole (or none does).
                 granules.push(row.map_or(0, |r| u32::from(packed_rule(r))));
                 continue;
             }
-            let mut listed: Vec<u32> = Vec::new();
-            if let Some(r) = row {
-                listed.push(u32::from(packed_rule(r)));
+            let listed = rows.len();
+            rows.extend(row.map(|r| u32::from(packed_rule(r))));
+            for (i, row_start) in (first_inside..).map_while(|i| Some((i, starts_at(i).filter(|&s| s < end)?))) {
+                rows.push(((row_start - start) as u32) << 16 | u32::from(packed_rule(i)));
             }
-            for i in inside {
-                listed.push(((starts_at(i).unwrap_or(start) - start) as u32) << 16 | u32::from(packed_rule(i)));
-            }
-            if listed.iter().all(|&e| e & 0xffff == 0) {
+            if rows[listed..].iter().all(|&e| e & 0xffff == 0) {
+                rows.truncate(listed);
                 granules.push(0);
                 continue;
             }
-            if let Some(last) = listed.last_mut() {
+            if let Some(last) = rows.last_mut() {
                 *last |= LAST_ROW;
             }
-            granules.push(SEVERAL_ROWS | rows.len() as u32);
-            rows.extend(listed);
+            granules.push(SEVERAL_ROWS | listed as u32);
         }
         if granules.iter().all(|&g| g == 0) || rows.len() >= SEVERAL_ROWS as usize {
             return (self.base, PackedGranules::default());
