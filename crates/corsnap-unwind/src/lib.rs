@@ -30,6 +30,7 @@
 
 mod body_rules;
 mod frame_rule;
+mod framehop_caches;
 mod function_pages;
 mod hijack;
 mod known_addresses;
@@ -47,7 +48,7 @@ mod walk_paths;
 use std::ops::Range;
 use std::sync::Arc;
 
-use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64};
+use framehop::x86_64::{UnwindRegsX86_64, UnwinderX86_64};
 use framehop::{ExplicitModuleSectionInfo, FrameAddress, Module, MustNotAllocateDuringUnwind, Unwinder};
 use pe_unwind_info::x86_64::{FunctionTableEntries, Register, UnwindState, XmmRegister};
 
@@ -165,7 +166,9 @@ pub trait Memory {
 /// function-table entries; allocated once. One per walking thread (each
 /// thread's signal handler has its own).
 pub struct WalkCache {
-    rules: CacheX86_64<MustNotAllocateDuringUnwind>,
+    /// Counts this cache in for [`framehop_caches`], whose pool lives as
+    /// long as some walk cache does.
+    _framehop: framehop_caches::Share,
     /// The return addresses met before, with their rules (see
     /// [`known_addresses`]): a managed frame met again skips two binary
     /// searches (its region, and its function in a table that for CoreLib's
@@ -233,7 +236,7 @@ impl WalkCache {
 
     pub fn new() -> Self {
         WalkCache {
-            rules: CacheX86_64::new_in(),
+            _framehop: framehop_caches::Share::new(),
             known: KnownAddresses::new(),
             last: LastWalk::new(),
             leaves: LeafFunctions::new(),
@@ -1399,7 +1402,7 @@ fn native_frame_step<M: Memory>(
         }
         // The CFI says nothing called this frame: the thread's root.
         Some((RowRule::EndOfStack, _)) => (Step::Done, Some(RowRule::EndOfStack)),
-        None => (native_step(map, mem, regs, exact, cache), None),
+        None => (native_step(map, mem, regs, exact), None),
     }
 }
 
@@ -1499,18 +1502,19 @@ fn unwind_info<'a, M: Memory>(region: &'a ManagedCode, mem: &'a M, rva: u32) -> 
 
 /// For tests: a native frame at `regs` (a leaf when `exact`, else a return
 /// address) unwound by its module's row table and by framehop, when the
-/// table has a rule for it.
+/// table has a rule for it. `_cache`: a walk cache, alive so that
+/// framehop's cache pool is (see [`framehop_caches`]).
 #[doc(hidden)]
 pub fn native_frame_both_ways<M: Memory>(
     map: &CodeMap,
     mem: &M,
     regs: Regs,
     exact: bool,
-    cache: &mut WalkCache,
+    _cache: &mut WalkCache,
 ) -> Option<(Option<Regs>, Option<Regs>)> {
     let lookup = if exact { regs.ip } else { regs.ip.wrapping_sub(1) };
     let (row, _) = map.native_at(lookup)?.table.as_ref()?.row_at(lookup)?;
-    let framehop = match native_step(map, mem, regs, exact, cache) {
+    let framehop = match native_step(map, mem, regs, exact) {
         Step::Next(next) => Some(next),
         Step::Done => Some(Regs { ip: 0, ..regs }),
         Step::Lost => None,
@@ -1542,7 +1546,7 @@ pub fn native_table_bytes(map: &CodeMap) -> usize {
 
 #[cold]
 #[inline(never)]
-fn native_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool, cache: &mut WalkCache) -> Step {
+fn native_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool) -> Step {
     let address = if exact {
         FrameAddress::from_instruction_pointer(regs.ip)
     } else {
@@ -1553,7 +1557,11 @@ fn native_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool, cache
     };
     let mut fregs = UnwindRegsX86_64::new(regs.ip, regs.sp, regs.bp);
     let mut read = |addr: u64| mem.stack_word(addr).ok_or(());
-    match map.unwinder.unwind_frame(address, &mut fregs, &mut cache.rules, &mut read) {
+    // With every cache of the pool in use, the frame is lost (counted as
+    // such): it takes more walks through framehop at once than the pool
+    // holds.
+    let Some(mut rules) = framehop_caches::borrow() else { return Step::Lost };
+    match map.unwinder.unwind_frame(address, &mut fregs, &mut rules, &mut read) {
         Ok(Some(ra)) => Step::Next(Regs { ip: ra, sp: fregs.sp(), bp: fregs.bp() }),
         Ok(None) => Step::Done,
         Err(_) => Step::Lost,
