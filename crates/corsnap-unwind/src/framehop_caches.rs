@@ -54,10 +54,14 @@ impl Share {
 impl Drop for Share {
     fn drop(&mut self) {
         if SHARES.fetch_sub(1, Ordering::AcqRel) == 1 {
-            // No walk cache is left, so no walk runs to hold a cache.
+            // No walk cache is left, so no walk runs to hold a cache. Each
+            // is taken only while that is still so: a walk cache made in
+            // the meantime (on another thread) keeps those not yet taken.
             for slot in &CACHES {
                 if let Some(mut cache) = slot.try_lock() {
-                    cache.take();
+                    if SHARES.load(Ordering::Acquire) == 0 {
+                        cache.take();
+                    }
                 }
             }
         }
