@@ -303,7 +303,6 @@ mod tests {
         let bytes = corsnap_unwind::native_table_bytes(&map);
         eprintln!("row tables: {bytes} bytes, built with the map in {:?}", started.elapsed());
         let (objects, _) = crate::process::loaded_objects();
-        let mut cache = corsnap_unwind::WalkCache::new();
         let (mut compared, mut ends, mut by_granule, mut wrong) = (0u64, 0u64, 0u64, Vec::new());
         for o in &objects {
             for &(start, len, _) in o.segments.iter().filter(|s| s.2) {
@@ -313,7 +312,7 @@ mod tests {
                         let ip = if exact { address } else { address + 1 };
                         let regs = Regs { ip, sp: 0x18_0000, bp: 0x20_0000 };
                         let Some((table, framehop)) =
-                            corsnap_unwind::native_frame_both_ways(&map, &Distinct, regs, exact, &mut cache)
+                            corsnap_unwind::native_frame_both_ways(&map, &Distinct, regs, exact)
                         else {
                             continue;
                         };

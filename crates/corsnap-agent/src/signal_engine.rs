@@ -585,8 +585,9 @@ impl SignalEngine {
             log::write(format_args!(
                 "signal walks of the threads running at the end: {walks}; leaves stepped by a kept stretch: \
                  {:.0}%, by their native module's granule: {:.0}%; return addresses a walk looked up (in no \
-                 table): {:.2}, and took from the process's table: {:.2}; frames a walk stepped by a compiled body rule: {:.2}; frames a walk stepped \
-                 one by one: {:.1}, and took from the thread's last complete walk: {:.1}",
+                 table): {:.2}, and took from the process's table: {:.2}; frames a walk stepped by a compiled \
+                 body rule: {:.2}; frames a walk stepped one by one: {:.1}, and took from the thread's last \
+                 complete walk: {:.1}",
                 100.0 * per_walk(counts[0]),
                 100.0 * per_walk(counts[6]),
                 per_walk(counts[1]),

@@ -1502,16 +1502,16 @@ fn unwind_info<'a, M: Memory>(region: &'a ManagedCode, mem: &'a M, rva: u32) -> 
 
 /// For tests: a native frame at `regs` (a leaf when `exact`, else a return
 /// address) unwound by its module's row table and by framehop, when the
-/// table has a rule for it. `_cache`: a walk cache, alive so that
-/// framehop's cache pool is (see [`framehop_caches`]).
+/// table has a rule for it.
 #[doc(hidden)]
 pub fn native_frame_both_ways<M: Memory>(
     map: &CodeMap,
     mem: &M,
     regs: Regs,
     exact: bool,
-    _cache: &mut WalkCache,
 ) -> Option<(Option<Regs>, Option<Regs>)> {
+    // framehop's cache pool lives while a share of it does.
+    let _pool = framehop_caches::Share::new();
     let lookup = if exact { regs.ip } else { regs.ip.wrapping_sub(1) };
     let (row, _) = map.native_at(lookup)?.table.as_ref()?.row_at(lookup)?;
     let framehop = match native_step(map, mem, regs, exact) {
