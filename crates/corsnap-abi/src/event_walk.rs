@@ -209,7 +209,21 @@ pub enum OwnWalkError {
 /// A walk that met code not known yet keeps this of its stack.
 #[derive(Debug, Clone)]
 pub struct OwnStackCopy {
+    /// The registers at the first frame in unknown code (a caller's frame:
+    /// `ip` is a return address) or, when the walk could not say where that
+    /// was, at the leaf (`from_frame` 0).
     pub regs: Regs,
+    /// How many of the walk's frames (after the leading native frames were
+    /// dropped) come before `regs`: found by unwind information, they stand
+    /// as they are, and only the stack from `regs.sp` up is kept. (The
+    /// frames between an event's callback and the code it happened in, the
+    /// runtime's exception dispatch among them, took most of the 24 KiB a
+    /// `validate` exception's copy held on .NET 10; from the unknown frame
+    /// to the root, 2 to 3 KiB are left; ARCHITECTURE.md, *Event stacks*.)
+    pub from_frame: usize,
+    /// Whether `regs` are the leaf's (the walk met no unknown code it could
+    /// place): a walk again starts there with an exact instruction pointer.
+    pub from_leaf: bool,
     /// The words from `regs.sp` up.
     pub words: Vec<u64>,
     /// See [`crate::signal::StackCopy::splice`], counted in the frames the
@@ -218,8 +232,11 @@ pub struct OwnStackCopy {
 }
 
 impl OwnStackCopy {
+    /// The copy as a walk from `regs` sees it: a splice counted from
+    /// `from_frame`.
     pub fn as_stack_copy(&self) -> crate::signal::StackCopy<'_> {
-        crate::signal::StackCopy { regs: self.regs, words: &self.words, splice: self.splice }
+        let splice = self.splice.and_then(|(i, sp)| Some((i.checked_sub(self.from_frame)?, sp)));
+        crate::signal::StackCopy { regs: self.regs, words: &self.words, splice }
     }
 }
 
@@ -415,6 +432,7 @@ pub fn walk_own_stack<R>(
             walk.len -= leading;
             walk.known_frames = walk.known_frames.saturating_sub(leading);
             walk.splice = walk.splice.and_then(|(i, at)| Some((i.checked_sub(leading)?, at)));
+            walk.first_unknown = walk.first_unknown.and_then(|(i, at)| Some((i.checked_sub(leading)?, at)));
         };
         let (walk, found, hash) = replays.walk_and_keep(
             start,
@@ -434,9 +452,15 @@ pub fn walk_own_stack<R>(
         }
         let mut copy = None;
         if walk.flags & corsnap_unwind::flags::UNKNOWN_CODE != 0 {
-            let stack_words = ((stack.end - regs.sp) / 8) as usize;
+            // From the first frame in unknown code (the frames before it
+            // stand) as deep as the walk went.
+            let (from_frame, from) = match walk.first_unknown {
+                Some((i, at)) if at.sp >= regs.sp && at.sp < stack.end && at != regs => (i, at),
+                _ => (0, regs),
+            };
+            let stack_words = ((stack.end - from.sp) / 8) as usize;
             let kept_words = if walk.flags & corsnap_unwind::flags::COMPLETE != 0 {
-                (((walk.sp.saturating_sub(regs.sp)) / 8) as usize + COPY_SLACK_WORDS).min(MAX_COPY_WORDS)
+                (((walk.sp.saturating_sub(from.sp)) / 8) as usize + COPY_SLACK_WORDS).min(MAX_COPY_WORDS)
             } else {
                 LOST_COPY_WORDS
             };
@@ -444,8 +468,14 @@ pub fn walk_own_stack<R>(
             // As the signal handler's copies: a hijack the walk stepped over by
             // a guess is put back too.
             let mut hijack = crate::signal::CopyHijack::new(walk.undone_hijack, &memory);
-            let kept = memory.copy_own_stack(regs.sp, kept_words, &mut hijack);
-            copy = Some(OwnStackCopy { regs, words: kept, splice: walk.splice.map(|(i, at)| (i, at.sp)) });
+            let kept = memory.copy_own_stack(from.sp, kept_words, &mut hijack);
+            copy = Some(OwnStackCopy {
+                regs: from,
+                from_frame,
+                from_leaf: from == regs,
+                words: kept,
+                splice: walk.splice.map(|(i, at)| (i, at.sp)),
+            });
             // The agent learns that code when it takes this event: the sooner,
             // the fewer events need a copy.
             if !CODE_UNKNOWN.swap(true, Ordering::Relaxed) {

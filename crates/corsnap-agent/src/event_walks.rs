@@ -49,6 +49,9 @@ pub struct EventWalkStats {
     pub resolved: u64,
     /// Walks that met unknown code and were walked again from their copy.
     pub rewalked: u64,
+    /// Stack copies taken in, and their words.
+    pub copies: u64,
+    pub copied_words: u64,
     /// Stacks that still ended in unknown code or were lost.
     pub incomplete: u64,
     /// Maps published.
@@ -205,7 +208,11 @@ impl EventWalker {
     /// and whether the stack was truncated.
     pub fn resolve(&mut self, raw: &[u64], walk_flags: u32, copy: Option<&OwnStackCopy>) -> (Vec<u64>, bool) {
         let (raw, walk_flags) = match copy {
-            Some(copy) => self.walk_again(raw, walk_flags, copy),
+            Some(copy) => {
+                self.stats.copies += 1;
+                self.stats.copied_words += copy.words.len() as u64;
+                self.walk_again(raw, walk_flags, copy)
+            }
             None => (raw.to_vec(), walk_flags),
         };
         self.stats.resolved += 1;
@@ -316,12 +323,24 @@ impl EventWalker {
                 self.publish();
             }
             let mut out = vec![0u64; signal::MAX_FRAMES];
-            let walk =
-                signal::rewalk(&self.map, &copy.as_stack_copy(), (raw, walk_flags), &mut self.rewalk_cache, &mut out);
-            out.truncate(walk.len);
-            let leading = out.iter().take_while(|&&f| self.map.native_at(lookup_address(f)).is_some()).count();
-            out.drain(..leading);
-            frames = out;
+            let (copy_view, cache) = (copy.as_stack_copy(), &mut self.rewalk_cache);
+            let walk = if copy.from_leaf {
+                let walk = signal::rewalk(&self.map, &copy_view, (raw, walk_flags), cache, &mut out);
+                out.truncate(walk.len);
+                let leading = out.iter().take_while(|&&f| self.map.native_at(lookup_address(f)).is_some()).count();
+                out.drain(..leading);
+                frames = out;
+                walk
+            } else {
+                // The frames before the copy's stand; the walk goes on from
+                // the first one in unknown code.
+                let before = copy.from_frame.min(raw.len());
+                let walk =
+                    signal::rewalk_from_caller(&self.map, &copy_view, (&raw[before..], walk_flags), cache, &mut out);
+                out.truncate(walk.len);
+                frames = raw[..before].iter().copied().chain(out).collect();
+                walk
+            };
             walk_flags = walk.flags;
             self.stats.rewalked += 1;
             if walk.flags & flags::UNKNOWN_CODE == 0 {

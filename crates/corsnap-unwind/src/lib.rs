@@ -854,6 +854,12 @@ pub struct Walk {
     /// frame again (the same address and stack pointer) can take the rest
     /// of this walk as it is.
     pub splice: Option<(usize, Regs)>,
+    /// The first frame in unknown code, if any: its index in the output and
+    /// the registers the walk stood at there (before stepping it). Every
+    /// frame before it was found by unwind information; a copy of the stack
+    /// from its stack pointer up is enough to walk it again (see
+    /// [`walk_from_caller_until`]).
+    pub first_unknown: Option<(usize, Regs)>,
     /// How many frames from the leaf are native code before the first
     /// frame that is not (`None`: every frame is).
     pub entry_frames: Option<usize>,
@@ -925,6 +931,35 @@ pub fn walk_until<M: Memory>(
     out: &mut [u64],
     stop: Option<(u64, u64)>,
 ) -> Walk {
+    walk_from(map, mem, regs, true, cache, out, stop)
+}
+
+/// [`walk_until`] from a frame in the middle of a stack: `regs.ip` is a
+/// return address (a caller's frame), not an exact instruction pointer, so
+/// its first frame is written without [`EXACT_IP`] and looked up as the
+/// call before it. Such a walk takes no remembered path and leaves no last
+/// walk behind: both are of walks from a leaf.
+pub fn walk_from_caller_until<M: Memory>(
+    map: &CodeMap,
+    mem: &M,
+    regs: Regs,
+    cache: &mut WalkCache,
+    out: &mut [u64],
+    stop: Option<(u64, u64)>,
+) -> Walk {
+    walk_from(map, mem, regs, false, cache, out, stop)
+}
+
+#[inline(always)]
+fn walk_from<M: Memory>(
+    map: &CodeMap,
+    mem: &M,
+    regs: Regs,
+    from_leaf: bool,
+    cache: &mut WalkCache,
+    out: &mut [u64],
+    stop: Option<(u64, u64)>,
+) -> Walk {
     let mut len = 0;
     let mut flags = 0;
     cache.learned = None;
@@ -937,10 +972,11 @@ pub fn walk_until<M: Memory>(
     let mut regs = regs;
     // The leaf, and a context a signal frame saved, are exact instruction
     // pointers: the thread was stopped there, not in a call.
-    let mut exact = true;
+    let mut exact = from_leaf;
     let mut undone_hijack = None;
     let mut known_frames = usize::MAX;
     let mut splice = None;
+    let mut first_unknown = None;
     let mut tracker = WalkTracker::new();
     let mut cursor = 0;
     let mut rest_frames = 0;
@@ -948,7 +984,9 @@ pub fn walk_until<M: Memory>(
     // As far as the path a walk from the same place took still holds (see
     // [`walk_paths`]); only walks of one's own stack start there twice.
     let mut path_frames = 0;
-    if stop.is_none() {
+    // Remembered paths and last walks are of walks from a leaf.
+    let stop_or_caller = stop.is_some() || !from_leaf;
+    if !stop_or_caller {
         if let Some(taken) = cache.paths.begin(map.lineage, regs, mem, out) {
             for j in 0..taken.frames {
                 let (native, sp) = cache.paths.taken_frame(j).unwrap_or((false, 0));
@@ -1229,6 +1267,7 @@ pub fn walk_until<M: Memory>(
         if unknown {
             flags |= flags::UNKNOWN_CODE;
             known_frames = known_frames.min(len);
+            first_unknown.get_or_insert((len - 1, regs));
         }
         tracker.frame(len - 1, regs.sp, native_frame, exact);
         if !native_frame {
@@ -1259,13 +1298,14 @@ pub fn walk_until<M: Memory>(
             }
         }
     }
-    if stop.is_none() && rest_frames == 0 {
+    if !stop_or_caller && rest_frames == 0 {
         tracker.finish(&mut cache.last, map.lineage, &out[..len], flags);
     }
-    if stop.is_none() {
+    if !stop_or_caller {
         cache.paths.finish(map.lineage, &out[..len]);
     }
     let splice = splice.filter(|&(i, _)| i < len);
+    let first_unknown = first_unknown.filter(|&(i, _)| i < len);
     Walk {
         len,
         flags,
@@ -1273,6 +1313,7 @@ pub fn walk_until<M: Memory>(
         undone_hijack,
         known_frames: known_frames.min(len),
         splice,
+        first_unknown,
         entry_frames,
         path_frames,
         rest_frames,

@@ -98,6 +98,11 @@ fn chain_with_main(main: &[u8]) -> (CodeMap, Recorded, Regs) {
 /// The chain with each body's rule compiled (see [`body_rules`]) when
 /// `body_rules`.
 fn chain_of(main: &[u8], body_rules: bool) -> (CodeMap, Recorded, Regs) {
+    chain_unknowing(main, body_rules, None)
+}
+
+/// The chain, with the body at `unknown` (if any) left out of the map.
+fn chain_unknowing(main: &[u8], body_rules: bool, unknown: Option<u64>) -> (CodeMap, Recorded, Regs) {
     let sp0 = STACK_TOP - 0x100;
     let mut stack = HashMap::new();
     stack.insert(sp0, 0); // Main's return address: the root
@@ -122,8 +127,11 @@ fn chain_of(main: &[u8], body_rules: bool) -> (CodeMap, Recorded, Regs) {
         (HOT, &PUSH_RBP[..], &PUSH_RBP_UNWIND[..]),
     ] {
         let (region, c) = body(start, bytes, unwind);
-        managed.push(if body_rules { region.with_body_rules(None) } else { region });
         code.push(c);
+        if unknown == Some(start) {
+            continue;
+        }
+        managed.push(if body_rules { region.with_body_rules(None) } else { region });
     }
     let stacks = vec![Range { start: STACK_TOP - 0x10000, end: STACK_TOP }];
     let map = CodeMap::new(Vec::new(), managed, stacks, 0);
@@ -143,6 +151,27 @@ fn frameless_tier1_callers_are_all_recovered() {
     let (frames, flags) = run(&map, &mem, regs);
     assert_eq!(frames, [HOT + 3, A5 + 6, A4 + 6, A3 + 6, MAIN + 13]);
     assert_eq!(flags, flags::COMPLETE);
+}
+
+#[test]
+fn a_walk_from_the_first_frame_in_unknown_code_ends_as_the_walk_that_knows_it() {
+    // What an event's stack copy keeps (from the first frame in unknown
+    // code up) and how the agent walks it again once the code is learned.
+    let (unknowing, mem, regs) = chain_unknowing(&FRAMED, false, Some(A4));
+    let mut out = [0u64; 64];
+    let first = walk(&unknowing, &mem, regs, &mut WalkCache::new(), &mut out);
+    assert_ne!(first.flags & flags::UNKNOWN_CODE, 0);
+    let (at, from) = first.first_unknown.expect("the frame in A4");
+    assert_eq!((at, address_of(out[at])), (2, A4 + 6));
+    assert_eq!(out[at] & EXACT_IP, 0);
+    let (knowing, ..) = chain();
+    let mut again = [0u64; 64];
+    let w = walk_from_caller_until(&knowing, &mem, from, &mut WalkCache::new(), &mut again, None);
+    assert_eq!(&again[..w.len], &[A4 + 6, A3 + 6, MAIN + 13]);
+    assert_eq!(w.flags, flags::COMPLETE);
+    assert_eq!(w.first_unknown, None);
+    // A walk from the leaf knowing everything has no first unknown frame.
+    assert_eq!(walk(&knowing, &mem, regs, &mut WalkCache::new(), &mut out).first_unknown, None);
 }
 
 #[test]

@@ -223,6 +223,30 @@ pub fn rewalk(
     cache: &mut WalkCache,
     out: &mut [u64],
 ) -> corsnap_unwind::Walk {
+    rewalk_copy(map, copy, true, original, cache, out)
+}
+
+/// [`rewalk`] of a copy that starts at a caller's frame, not at the leaf:
+/// `copy.regs.ip` is a return address, and `original` holds the sample's
+/// frames from that frame on.
+pub fn rewalk_from_caller(
+    map: &CodeMap,
+    copy: &StackCopy<'_>,
+    original: (&[u64], u32),
+    cache: &mut WalkCache,
+    out: &mut [u64],
+) -> corsnap_unwind::Walk {
+    rewalk_copy(map, copy, false, original, cache, out)
+}
+
+fn rewalk_copy(
+    map: &CodeMap,
+    copy: &StackCopy<'_>,
+    from_leaf: bool,
+    original: (&[u64], u32),
+    cache: &mut WalkCache,
+    out: &mut [u64],
+) -> corsnap_unwind::Walk {
     struct CopyMemory<'a> {
         copy: &'a StackCopy<'a>,
         live: LiveMemory<'a>,
@@ -246,7 +270,12 @@ pub fn rewalk(
     let memory = CopyMemory { copy, live: LiveMemory { stack: 0..0, map, runtime_thread: 0 } };
     let (frames, original_flags) = original;
     let splice = copy.splice.and_then(|(i, sp)| Some((i, frames.get(i)? & !corsnap_unwind::EXACT_IP, sp)));
-    let mut walk = corsnap_unwind::walk_until(map, &memory, copy.regs, cache, out, splice.map(|(_, ip, sp)| (ip, sp)));
+    let stop = splice.map(|(_, ip, sp)| (ip, sp));
+    let mut walk = if from_leaf {
+        corsnap_unwind::walk_until(map, &memory, copy.regs, cache, out, stop)
+    } else {
+        corsnap_unwind::walk_from_caller_until(map, &memory, copy.regs, cache, out, stop)
+    };
     // On the agent's thread, not in a handler: what the walk learned is
     // kept at once.
     map.keep_learned(cache);
