@@ -19,8 +19,10 @@
 //!    events counted on their kept walks ([`take_repeats`]); a walk that
 //!    finds a slot empty goes on to the next.
 //! 2. Having the walker counts it in: only then does it load the published
-//!    map ([`MAP`], an atomic pointer). The agent frees a replaced map only
-//!    after seeing, after the swap, every walker back in the pool (both
+//!    map ([`MAP`], an atomic pointer). The agent (on its thread, or on one
+//!    it lends its event walker to, one at a time: a thread that compiled
+//!    a method, or whose event met code not known yet) frees a replaced
+//!    map only after seeing, after the swap, every walker back in the pool (both
 //!    sides `SeqCst`; giving back is a release, seen by the agent's load),
 //!    so the map stays alive for the walk. A walk on a walker of its own
 //!    counts itself in with one atomic add on its thread's [`Stripe`]

@@ -173,12 +173,25 @@ impl CodeLearner {
     /// The bodies of `functions` (just compiled by the runtime) that
     /// `known` does not cover yet, learned, for a walker to know them before
     /// a walk meets them: the signal engine's and the event walker's.
-    pub fn learn_compiled(&mut self, functions: &[FunctionID], known: impl Fn(u64) -> bool) -> Vec<ManagedCode> {
+    /// `not_yet` is told of each function the runtime gives no code for
+    /// yet: a method compiled for the first time has its code set only
+    /// after `JITCompilationFinished` returns, and one asked about in
+    /// between is to be asked about again.
+    pub fn learn_compiled(
+        &mut self,
+        functions: &[FunctionID],
+        known: impl Fn(u64) -> bool,
+        mut not_yet: impl FnMut(FunctionID),
+    ) -> Vec<ManagedCode> {
         // What it makes is read by walks (see `corsnap_abi::hot_memory`).
         corsnap_abi::hot_memory::allocate_hot(|| {
             let mut learned: Vec<ManagedCode> = Vec::new();
             for &function in functions {
                 let Ok(starts) = self.info.get_native_code_start_addresses(function) else { continue };
+                if starts.iter().all(|&start| start == 0) {
+                    not_yet(function);
+                    continue;
+                }
                 for start in starts {
                     if start == 0 || known(start) || learned.iter().any(|m| m.code.contains(&start)) {
                         continue;

@@ -19,7 +19,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use corsnap_abi::event_walk::{EventMap, OwnStackCopy};
 use corsnap_abi::signal::{self, SignalSampler};
@@ -43,6 +43,10 @@ const HOST_MODULES: [&str; 2] = ["/libhostfxr.so", "/libhostpolicy.so"];
 /// Rounds of learning and walking again for one stack copy.
 const REWALK_ROUNDS: usize = 8;
 
+/// How long a function compiled may go without code before it is no
+/// longer asked about.
+const CODE_NOT_SET_FOR: Duration = Duration::from_secs(1);
+
 #[derive(Debug, Default, Clone, Copy)]
 pub struct EventWalkStats {
     /// Stacks named.
@@ -58,6 +62,10 @@ pub struct EventWalkStats {
     pub published: u64,
     /// Bodies learned when the runtime compiled them.
     pub learned_at_compile: u64,
+    /// Of those, bodies learned on another thread than the sampler's: the
+    /// one that compiled them again, or one whose event met them (see
+    /// `Shared::learn_compiled_now`).
+    pub learned_off_the_sampler_thread: u64,
 }
 
 pub struct EventWalker {
@@ -75,6 +83,9 @@ pub struct EventWalker {
     natives_dirty: bool,
     sigreturn: u64,
     learner: CodeLearner,
+    /// Functions compiled whose code the runtime had not set yet when
+    /// asked, and since when: asked again at the next round.
+    code_not_set: Vec<(FunctionID, Instant)>,
     symbols: Symbolizer,
     not_managed: HashSet<u64>,
     frame_ids: HashMap<u64, u64>,
@@ -124,6 +135,7 @@ impl EventWalker {
             natives_dirty: true,
             sigreturn: SignalSampler::sigreturn_trampoline(),
             learner: CodeLearner::new(info, layout),
+            code_not_set: Vec::new(),
             symbols: Symbolizer::default(),
             not_managed: HashSet::new(),
             frame_ids: HashMap::new(),
@@ -191,11 +203,35 @@ impl EventWalker {
         }
     }
 
+    /// On another thread than the sampler's (see `Shared::learn_compiled_now`):
+    /// learns `compiled` and publishes a map with it.
+    pub fn learn_compiled_now(&mut self, compiled: &[FunctionID]) {
+        let before = self.stats.learned_at_compile;
+        self.learn_compiled(compiled);
+        self.stats.learned_off_the_sampler_thread += self.stats.learned_at_compile - before;
+        if self.map_dirty {
+            self.publish();
+        }
+    }
+
     /// Learns the bodies of `compiled` (functions the runtime just
     /// compiled) before an event's walk meets them unknown.
     fn learn_compiled(&mut self, compiled: &[FunctionID]) {
-        let (map, managed) = (&self.map, &self.managed);
-        let learned = self.learner.learn_compiled(compiled, |a| knows_code(map, managed, a));
+        // With those whose code was not set yet when asked (for a second,
+        // after which the runtime will not set it).
+        let now = Instant::now();
+        let mut waiting = std::mem::take(&mut self.code_not_set);
+        waiting.retain(|&(_, since)| now.duration_since(since) < CODE_NOT_SET_FOR);
+        let functions: Vec<FunctionID> = compiled.iter().copied().chain(waiting.iter().map(|&(f, _)| f)).collect();
+        let (map, managed, code_not_set) = (&self.map, &self.managed, &mut self.code_not_set);
+        let learned = self.learner.learn_compiled(
+            &functions,
+            |a| knows_code(map, managed, a),
+            |f| {
+                let since = waiting.iter().find(|&&(w, _)| w == f).map_or(now, |&(_, since)| since);
+                code_not_set.push((f, since));
+            },
+        );
         for code in learned {
             self.add_managed(code);
             self.stats.learned_at_compile += 1;
@@ -461,7 +497,7 @@ impl EventWalker {
             return;
         }
         self.loader_counters = counters;
-        let natives = self.native_modules.borrow_mut().modules_of(&objects, tables);
+        let natives = self.native_modules.lock().unwrap_or_else(|p| p.into_inner()).modules_of(&objects, tables);
         self.tables_pending = natives.iter().any(NativeModule::table_pending);
         self.natives = natives;
         self.map_dirty = true;

@@ -3,16 +3,17 @@
 //! shared by the signal engine and the event walker, which both run on the
 //! sampler thread.
 
-use std::cell::RefCell;
 use std::collections::HashMap;
-use std::rc::Rc;
+use std::sync::{Arc, Mutex};
 
 use corsnap_abi::process::LoadedObject;
 use corsnap_unwind::process::{native_module_without_table, LoadedElf};
 use corsnap_unwind::NativeModule;
 
-/// One cache for the sampler thread's walkers.
-pub(crate) type SharedNativeModules = Rc<RefCell<NativeModules>>;
+/// One cache for the sampler thread's walkers (behind a mutex because the
+/// event walker, which holds it, may be lent to another thread; see
+/// `Shared::event_walker`).
+pub(crate) type SharedNativeModules = Arc<Mutex<NativeModules>>;
 
 #[derive(Default)]
 pub(crate) struct NativeModules {
@@ -23,7 +24,7 @@ pub(crate) struct NativeModules {
 
 impl NativeModules {
     pub(crate) fn shared() -> SharedNativeModules {
-        Rc::new(RefCell::new(NativeModules::default()))
+        Arc::new(Mutex::new(NativeModules::default()))
     }
 
     /// The modules of `objects`, each read the first time any walker met it,

@@ -19,7 +19,7 @@ use crate::engine::{Engine, SignalCpuEngine};
 use crate::event_walks::EventWalker;
 use crate::events::Subject;
 use crate::log;
-use crate::native_modules::NativeModules;
+use crate::native_modules::{NativeModules, SharedNativeModules};
 use crate::recorder::Recorder;
 use crate::suspend_engine::{SuspendEngine, MAX_THREADS_PER_TICK};
 use crate::Shared;
@@ -240,11 +240,13 @@ struct SamplerLoop {
     /// `CORSNAP_VERIFY_WALKS=1`: compare signal-engine walks with
     /// `DoStackSnapshot` at the same instant (tests only).
     verify: Option<WalkVerification>,
-    /// Names event stacks walked by corsnap's own unwinder (`--walker
-    /// native`); `None` when events are walked by `DoStackSnapshot`.
-    event_walker: Option<EventWalker>,
     /// When the events counted on the event walkers are next taken.
     next_repeats: Instant,
+    /// The native modules' cache the walkers share, and the loader's
+    /// counters when its row tables were last built for the event walker
+    /// (see `publish_events`).
+    native_modules: SharedNativeModules,
+    tables_built_for: (u64, u64),
     /// Whether each `FunctionID` met at the top of an exception's stack is
     /// the runtime's managed exception dispatch.
     dispatch_functions: HashMap<u64, bool>,
@@ -271,28 +273,29 @@ impl SamplerLoop {
         let records_events = [EventKind::Exceptions, EventKind::Gc, EventKind::ClassLoad, EventKind::Alloc]
             .iter()
             .any(|&k| shared.records(k));
-        let event_walker = if records_events && shared.native_event_walks {
+        // Event stacks walked by corsnap's own unwinder (`--walker native`)
+        // are named by the event walker kept in `Shared::event_walker`; with
+        // none there, by `DoStackSnapshot`.
+        if records_events && shared.native_event_walks {
             let compiled = std::mem::take(&mut *shared.jitted_for_events.lock().unwrap_or_else(|p| p.into_inner()));
-            match EventWalker::start(shared.info, native_modules, &compiled) {
-                Ok(walker) => Some(walker),
+            match EventWalker::start(shared.info, native_modules.clone(), &compiled) {
+                Ok(walker) => *shared.event_walker.lock().unwrap_or_else(|p| p.into_inner()) = Some(walker),
                 Err(why) => {
                     let text = format!("{why}; event stacks are walked by DoStackSnapshot instead");
                     log::write(format_args!("{text}"));
                     shared.post(Message::Notice { severity: corsnap_wire::Severity::Warning, text });
-                    None
                 }
             }
-        } else {
-            None
-        };
+        }
         SamplerLoop {
             recorder: Recorder::new(shared.clone(), channel),
             suspend: SuspendEngine::new(shared.clone(), signal.is_none()),
             shared,
             signal,
             records_events,
-            event_walker,
             next_repeats: Instant::now(),
+            native_modules,
+            tables_built_for: (0, 0),
             dispatch_functions: HashMap::new(),
             event_verification: WalkVerification::default(),
             verify: std::env::var("CORSNAP_VERIFY_WALKS").is_ok_and(|v| v == "1").then(WalkVerification::default),
@@ -387,7 +390,9 @@ impl SamplerLoop {
         // The last events counted on the event walkers: one lent to a walk
         // now is back within microseconds.
         self.publish_events(Some(Instant::now() + Duration::from_millis(100)));
-        if let Some(walker) = self.event_walker.as_mut() {
+        // Taken out first: a compiling thread finds no walker after this.
+        let walker = self.shared.event_walker.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(mut walker) = walker {
             walker.stop();
         }
         if self.shared.verify_event_walks {
@@ -534,7 +539,24 @@ impl SamplerLoop {
     /// collections. `last`: until when to wait for an event walker lent to
     /// a walk, whose counted events would otherwise wait for the next take.
     fn publish_events(&mut self, last: Option<Instant>) {
-        if let Some(walker) = self.event_walker.as_mut() {
+        let shared = self.shared.clone();
+        // The row tables of modules loaded since the last round, built
+        // before the event walker is locked (tens of milliseconds at
+        // start-up, when a thread whose event met code not known yet would
+        // find the walker held and leave the code to this thread; see
+        // `Shared::wake_for_new_stacks`): the walker's refresh finds them
+        // built.
+        if self.shared.native_event_walks {
+            let (objects, counters) = corsnap_abi::process::loaded_objects();
+            if counters != self.tables_built_for {
+                self.tables_built_for = counters;
+                self.native_modules.lock().unwrap_or_else(|p| p.into_inner()).modules_of(&objects, true);
+            }
+        }
+        // Held to the end: a compiling thread that finds it held leaves its
+        // body to the refresh below.
+        let mut event_walker = shared.event_walker.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(walker) = event_walker.as_mut() {
             let now = Instant::now();
             if last.is_some() || now >= self.next_repeats {
                 self.next_repeats = now + REPEATS_EVERY;
@@ -556,7 +578,7 @@ impl SamplerLoop {
         self.recorder.describe_threads(&threads);
         for event in &mut events {
             let Some(raw) = event.raw.take() else { continue };
-            let Some(walker) = self.event_walker.as_mut() else {
+            let Some(walker) = event_walker.as_mut() else {
                 // Cannot happen: only a running walker's map produces raw frames.
                 event.frames.clear();
                 continue;
@@ -569,7 +591,7 @@ impl SamplerLoop {
                 self.verify_event_walk(event.kind, &event.frames, &referee);
             }
         }
-        if let Some(walker) = self.event_walker.as_mut() {
+        if let Some(walker) = event_walker.as_mut() {
             self.recorder.send_names(walker.take_names());
         }
         // Walks made only to learn from (the benchmarks' floor) weigh nothing.

@@ -700,7 +700,7 @@ impl SignalEngine {
         }
         let started = Instant::now();
         let (map, managed) = (&self.map, &self.managed);
-        let learned = self.learner.learn_compiled(&compiled, |a| knows_code(map, managed, a));
+        let learned = self.learner.learn_compiled(&compiled, |a| knows_code(map, managed, a), |_| {});
         for code in learned {
             self.add_managed(code);
             self.learned_at_compile += 1;
@@ -1145,7 +1145,7 @@ impl SignalEngine {
                 }
             }
         }
-        let natives = self.native_modules.borrow_mut().modules_of(&objects, true);
+        let natives = self.native_modules.lock().unwrap_or_else(|p| p.into_inner()).modules_of(&objects, true);
         log::write(format_args!(
             "native modules: {} (read in {:?}; row tables {} KiB)",
             natives.len(),
