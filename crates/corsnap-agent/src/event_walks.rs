@@ -194,13 +194,27 @@ impl EventWalker {
         }
         if self.map_dirty {
             self.publish();
-        } else if let Some(image) = self.image_without_rules.take() {
-            // 10 to 20 ms, which the first events need not wait.
-            self.add_managed(crate::code_learning::with_image_body_rules(image));
         }
         if let Some(m) = self.events_map.as_mut() {
             m.reclaim();
         }
+    }
+
+    /// CoreLib's image, whose functions' compiled rules are still to be
+    /// made, once the first maps are out: 10 to 20 ms, which the first
+    /// events need not wait, made by the caller without holding the walker
+    /// and handed back ([`Self::add_image_with_rules`]).
+    pub fn take_image_without_rules(&mut self) -> Option<ManagedCode> {
+        if self.map_dirty {
+            return None;
+        }
+        self.image_without_rules.take()
+    }
+
+    /// The image [`Self::take_image_without_rules`] gave, with its rules:
+    /// in the next round's map.
+    pub fn add_image_with_rules(&mut self, image: ManagedCode) {
+        self.add_managed(image);
     }
 
     /// On another thread than the sampler's (see `Shared::learn_compiled_now`):

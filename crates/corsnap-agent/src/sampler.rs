@@ -553,10 +553,12 @@ impl SamplerLoop {
                 self.native_modules.lock().unwrap_or_else(|p| p.into_inner()).modules_of(&objects, true);
             }
         }
-        // Held to the end: a compiling thread that finds it held leaves its
-        // body to the refresh below.
-        let mut event_walker = shared.event_walker.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(walker) = event_walker.as_mut() {
+        // The walker is held for each step on its own, not the whole round:
+        // a thread that finds it held leaves the code it would have learned
+        // to this thread, and until this thread has learned it every event
+        // through that code copies its stack.
+        let event_walker = || shared.event_walker.lock().unwrap_or_else(|p| p.into_inner());
+        let image = event_walker().as_mut().and_then(|walker| {
             let now = Instant::now();
             if last.is_some() || now >= self.next_repeats {
                 self.next_repeats = now + REPEATS_EVERY;
@@ -566,6 +568,13 @@ impl SamplerLoop {
             let compiled =
                 std::mem::take(&mut *self.shared.jitted_for_events.lock().unwrap_or_else(|p| p.into_inner()));
             walker.refresh(announced, &compiled);
+            walker.take_image_without_rules()
+        });
+        if let Some(image) = image {
+            let image = crate::code_learning::with_image_body_rules(image);
+            if let Some(walker) = event_walker().as_mut() {
+                walker.add_image_with_rules(image);
+            }
         }
         let mut events = self.shared.events.take();
         let gcs = self.shared.events.take_gcs();
@@ -578,12 +587,13 @@ impl SamplerLoop {
         self.recorder.describe_threads(&threads);
         for event in &mut events {
             let Some(raw) = event.raw.take() else { continue };
-            let Some(walker) = event_walker.as_mut() else {
+            let resolved =
+                event_walker().as_mut().map(|walker| walker.resolve(&event.frames, raw.flags, raw.copy.as_ref()));
+            let Some((mut frames, truncated)) = resolved else {
                 // Cannot happen: only a running walker's map produces raw frames.
                 event.frames.clear();
                 continue;
             };
-            let (mut frames, truncated) = walker.resolve(&event.frames, raw.flags, raw.copy.as_ref());
             self.leave_out_dispatch(&mut frames);
             event.frames = frames;
             event.truncated |= truncated;
@@ -591,8 +601,9 @@ impl SamplerLoop {
                 self.verify_event_walk(event.kind, &event.frames, &referee);
             }
         }
-        if let Some(walker) = event_walker.as_mut() {
-            self.recorder.send_names(walker.take_names());
+        let names = event_walker().as_mut().map(EventWalker::take_names);
+        if let Some(names) = names {
+            self.recorder.send_names(names);
         }
         // Walks made only to learn from (the benchmarks' floor) weigh nothing.
         events.retain(|e| e.weight > 0);
