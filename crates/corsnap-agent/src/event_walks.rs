@@ -13,6 +13,13 @@
 //! is learned and the copy walked again (`corsnap_abi::signal::rewalk`), as
 //! for signal samples; what stays unknown is shown as such, never guessed.
 //!
+//! The sampler thread keeps the walker in `Shared::event_walker` (a mutex,
+//! held a step at a time) and lends it to two other threads, which learn
+//! code compiled since and publish a map with it at once: the thread that
+//! compiled a method again, before the runtime installs the code, and a
+//! throwing thread whose walk met code not known yet (see
+//! `Shared::learn_compiled_now`).
+//!
 //! Where the walker cannot serve (a runtime whose layout corsnap does not
 //! know, a thread whose stack the map does not list yet), the event is
 //! walked by `DoStackSnapshot` as before.

@@ -1,7 +1,7 @@
 //! The process's native libraries as the walkers know them: each read once
 //! (its unwind sections copied, its CFI compiled into a row table) and
 //! shared by the signal engine and the event walker, which both run on the
-//! sampler thread.
+//! sampler thread (the event walker reads them there only).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
