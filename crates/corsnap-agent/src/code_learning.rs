@@ -24,6 +24,7 @@
 //! error, never a fault.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use corsnap_abi::process::{read_own_bytes, read_own_memory, read_own_u64};
 use corsnap_abi::{CorProfilerInfo, FunctionID, ModuleID};
@@ -63,7 +64,18 @@ pub struct CodeLearner {
     /// answer failed the header check (then the scan decides).
     pub found_by_map: u64,
     pub map_misses: u64,
+    /// Functions compiled whose code the runtime had not set yet when asked
+    /// (a method compiled for the first time has it set only after
+    /// `JITCompilationFinished` returns), and since when: asked again at
+    /// each [`Self::learn_compiled`] for [`CODE_NOT_SET_FOR`]. They were
+    /// dropped, and every sample or event in them needed a stack copy until
+    /// a copy's walk learned them.
+    code_not_set: Vec<(FunctionID, Instant)>,
 }
+
+/// How long a function compiled may go without code before it is no
+/// longer asked about.
+const CODE_NOT_SET_FOR: Duration = Duration::from_secs(1);
 
 /// The tag of JIT'd code with no method the profiling API will name (IL
 /// stubs): the walk uses its unwind information, the profile calls it a
@@ -146,7 +158,14 @@ impl CodeLearner {
             stubs_learned: 0,
             found_by_map: 0,
             map_misses: 0,
+            code_not_set: Vec::new(),
         }
+    }
+
+    /// Whether functions compiled are waiting for their code (see
+    /// [`Self::learn_compiled`]).
+    pub fn waiting_for_code(&self) -> bool {
+        !self.code_not_set.is_empty()
     }
 
     /// A body whose header names any method (an IL stub's), near `ip`.
@@ -173,23 +192,23 @@ impl CodeLearner {
     /// The bodies of `functions` (just compiled by the runtime) that
     /// `known` does not cover yet, learned, for a walker to know them before
     /// a walk meets them: the signal engine's and the event walker's.
-    /// `not_yet` is told of each function the runtime gives no code for
-    /// yet: a method compiled for the first time has its code set only
-    /// after `JITCompilationFinished` returns, and one asked about in
-    /// between is to be asked about again.
-    pub fn learn_compiled(
-        &mut self,
-        functions: &[FunctionID],
-        known: impl Fn(u64) -> bool,
-        mut not_yet: impl FnMut(FunctionID),
-    ) -> Vec<ManagedCode> {
+    /// Those the runtime gives no code for yet are kept and asked about
+    /// again at the next call, with those kept before.
+    pub fn learn_compiled(&mut self, functions: &[FunctionID], known: impl Fn(u64) -> bool) -> Vec<ManagedCode> {
+        let now = Instant::now();
+        let mut waiting = std::mem::take(&mut self.code_not_set);
+        waiting.retain(|&(_, since)| now.duration_since(since) < CODE_NOT_SET_FOR);
+        let all: Vec<FunctionID> = functions.iter().copied().chain(waiting.iter().map(|&(f, _)| f)).collect();
         // What it makes is read by walks (see `corsnap_abi::hot_memory`).
         corsnap_abi::hot_memory::allocate_hot(|| {
             let mut learned: Vec<ManagedCode> = Vec::new();
-            for &function in functions {
+            for &function in &all {
                 let Ok(starts) = self.info.get_native_code_start_addresses(function) else { continue };
                 if starts.iter().all(|&start| start == 0) {
-                    not_yet(function);
+                    if !self.code_not_set.iter().any(|&(f, _)| f == function) {
+                        let since = waiting.iter().find(|&&(f, _)| f == function).map_or(now, |&(_, since)| since);
+                        self.code_not_set.push((function, since));
+                    }
                     continue;
                 }
                 for start in starts {

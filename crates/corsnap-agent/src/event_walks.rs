@@ -26,7 +26,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use corsnap_abi::event_walk::{EventMap, OwnStackCopy};
 use corsnap_abi::signal::{self, SignalSampler};
@@ -49,10 +49,6 @@ const CACHE_CAP: usize = 200_000;
 const HOST_MODULES: [&str; 2] = ["/libhostfxr.so", "/libhostpolicy.so"];
 /// Rounds of learning and walking again for one stack copy.
 const REWALK_ROUNDS: usize = 8;
-
-/// How long a function compiled may go without code before it is no
-/// longer asked about.
-const CODE_NOT_SET_FOR: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct EventWalkStats {
@@ -90,9 +86,6 @@ pub struct EventWalker {
     natives_dirty: bool,
     sigreturn: u64,
     learner: CodeLearner,
-    /// Functions compiled whose code the runtime had not set yet when
-    /// asked, and since when: asked again at the next round.
-    code_not_set: Vec<(FunctionID, Instant)>,
     symbols: Symbolizer,
     not_managed: HashSet<u64>,
     frame_ids: HashMap<u64, u64>,
@@ -142,7 +135,6 @@ impl EventWalker {
             natives_dirty: true,
             sigreturn: SignalSampler::sigreturn_trampoline(),
             learner: CodeLearner::new(info, layout),
-            code_not_set: Vec::new(),
             symbols: Symbolizer::default(),
             not_managed: HashSet::new(),
             frame_ids: HashMap::new(),
@@ -238,21 +230,8 @@ impl EventWalker {
     /// Learns the bodies of `compiled` (functions the runtime just
     /// compiled) before an event's walk meets them unknown.
     fn learn_compiled(&mut self, compiled: &[FunctionID]) {
-        // With those whose code was not set yet when asked (for a second,
-        // after which the runtime will not set it).
-        let now = Instant::now();
-        let mut waiting = std::mem::take(&mut self.code_not_set);
-        waiting.retain(|&(_, since)| now.duration_since(since) < CODE_NOT_SET_FOR);
-        let functions: Vec<FunctionID> = compiled.iter().copied().chain(waiting.iter().map(|&(f, _)| f)).collect();
-        let (map, managed, code_not_set) = (&self.map, &self.managed, &mut self.code_not_set);
-        let learned = self.learner.learn_compiled(
-            &functions,
-            |a| knows_code(map, managed, a),
-            |f| {
-                let since = waiting.iter().find(|&&(w, _)| w == f).map_or(now, |&(_, since)| since);
-                code_not_set.push((f, since));
-            },
-        );
+        let (map, managed) = (&self.map, &self.managed);
+        let learned = self.learner.learn_compiled(compiled, |a| knows_code(map, managed, a));
         for code in learned {
             self.add_managed(code);
             self.stats.learned_at_compile += 1;

@@ -695,12 +695,12 @@ impl SignalEngine {
     /// yet needs a stack copy and a second walk.
     fn learn_compiled(&mut self) {
         let compiled = std::mem::take(&mut *self.shared.jitted.lock().unwrap_or_else(|p| p.into_inner()));
-        if compiled.is_empty() {
+        if compiled.is_empty() && !self.learner.waiting_for_code() {
             return;
         }
         let started = Instant::now();
         let (map, managed) = (&self.map, &self.managed);
-        let learned = self.learner.learn_compiled(&compiled, |a| knows_code(map, managed, a), |_| {});
+        let learned = self.learner.learn_compiled(&compiled, |a| knows_code(map, managed, a));
         for code in learned {
             self.add_managed(code);
             self.learned_at_compile += 1;
