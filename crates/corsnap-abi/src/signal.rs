@@ -47,7 +47,7 @@ pub use handler::monotonic_ns;
 use handler::*;
 pub(crate) use handler::{CopyHijack, LiveMemory};
 use ring::*;
-pub use ring::{rewalk, rewalk_from_caller, RawSample, StackCopy};
+pub use ring::{rewalk, RawSample, StackCopy};
 pub use sampler::{InstallError, SignalSampler, SlotId};
 pub use slot::ThreadSlot;
 use slot::*;

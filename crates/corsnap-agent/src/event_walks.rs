@@ -371,8 +371,7 @@ impl EventWalker {
                 // The frames before the copy's stand; the walk goes on from
                 // the first one in unknown code.
                 let before = copy.from_frame.min(raw.len());
-                let walk =
-                    signal::rewalk_from_caller(&self.map, &copy_view, (&raw[before..], walk_flags), cache, &mut out);
+                let walk = signal::rewalk(&self.map, &copy_view, (&raw[before..], walk_flags), cache, &mut out);
                 out.truncate(walk.len);
                 frames = raw[..before].iter().copied().chain(out).collect();
                 walk

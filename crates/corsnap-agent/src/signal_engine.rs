@@ -661,7 +661,7 @@ impl SignalEngine {
             });
             for mut r in again {
                 if let Some((regs, words, splice)) = r.stack.take() {
-                    self.walk_again(&mut r, signal::StackCopy { regs, words: &words, splice });
+                    self.walk_again(&mut r, signal::StackCopy { regs, words: &words, splice, from_leaf: true });
                 }
                 r.flags |= COPIED;
                 let requested = r.flags & signal::REQUESTED != 0;

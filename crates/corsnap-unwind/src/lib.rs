@@ -858,7 +858,7 @@ pub struct Walk {
     /// the registers the walk stood at there (before stepping it). Every
     /// frame before it was found by unwind information; a copy of the stack
     /// from its stack pointer up is enough to walk it again (see
-    /// [`walk_from_caller_until`]).
+    /// [`walk_from`]).
     pub first_unknown: Option<(usize, Regs)>,
     /// How many frames from the leaf are native code before the first
     /// frame that is not (`None`: every frame is).
@@ -934,24 +934,14 @@ pub fn walk_until<M: Memory>(
     walk_from(map, mem, regs, true, cache, out, stop)
 }
 
-/// [`walk_until`] from a frame in the middle of a stack: `regs.ip` is a
-/// return address (a caller's frame), not an exact instruction pointer, so
-/// its first frame is written without [`EXACT_IP`] and looked up as the
-/// call before it. Such a walk takes no remembered path and leaves no last
-/// walk behind: both are of walks from a leaf.
-pub fn walk_from_caller_until<M: Memory>(
-    map: &CodeMap,
-    mem: &M,
-    regs: Regs,
-    cache: &mut WalkCache,
-    out: &mut [u64],
-    stop: Option<(u64, u64)>,
-) -> Walk {
-    walk_from(map, mem, regs, false, cache, out, stop)
-}
-
+/// [`walk_until`], or, when not `from_leaf`, from a frame in the middle of
+/// a stack: `regs.ip` is then a return address (a caller's frame), not an
+/// exact instruction pointer, so its first frame is written without
+/// [`EXACT_IP`] and looked up as the call before it, and the walk takes no
+/// remembered path and leaves no last walk behind (both are of walks from a
+/// leaf).
 #[inline(always)]
-fn walk_from<M: Memory>(
+pub fn walk_from<M: Memory>(
     map: &CodeMap,
     mem: &M,
     regs: Regs,

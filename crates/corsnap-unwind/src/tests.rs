@@ -166,7 +166,7 @@ fn a_walk_from_the_first_frame_in_unknown_code_ends_as_the_walk_that_knows_it() 
     assert_eq!(out[at] & EXACT_IP, 0);
     let (knowing, ..) = chain();
     let mut again = [0u64; 64];
-    let w = walk_from_caller_until(&knowing, &mem, from, &mut WalkCache::new(), &mut again, None);
+    let w = walk_from(&knowing, &mem, from, false, &mut WalkCache::new(), &mut again, None);
     assert_eq!(&again[..w.len], &[A4 + 6, A3 + 6, MAIN + 13]);
     assert_eq!(w.flags, flags::COMPLETE);
     assert_eq!(w.first_unknown, None);

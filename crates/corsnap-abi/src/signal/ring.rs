@@ -208,6 +208,10 @@ pub struct StackCopy<'a> {
     /// The copy reaches a little past it, no further: a walk that gets
     /// there again takes the sample's frames from it on as they are.
     pub splice: Option<(usize, u64)>,
+    /// Whether `regs` are the leaf's; else a caller's frame's (`ip` a
+    /// return address), and the frames before it are not the copy's to
+    /// walk (an event's copy from its first frame in unknown code).
+    pub from_leaf: bool,
 }
 
 /// Walks a sample again from its stack copy, with `map` (which may know more
@@ -216,33 +220,11 @@ pub struct StackCopy<'a> {
 /// `original` is the sample's walk (its frames and flags): when the copy
 /// names a splice frame and the new walk reaches it, the original's frames
 /// from there on complete the new walk.
+/// A copy that is not `from_leaf` starts at a caller's frame, and
+/// `original` holds the sample's frames from that frame on.
 pub fn rewalk(
     map: &CodeMap,
     copy: &StackCopy<'_>,
-    original: (&[u64], u32),
-    cache: &mut WalkCache,
-    out: &mut [u64],
-) -> corsnap_unwind::Walk {
-    rewalk_copy(map, copy, true, original, cache, out)
-}
-
-/// [`rewalk`] of a copy that starts at a caller's frame, not at the leaf:
-/// `copy.regs.ip` is a return address, and `original` holds the sample's
-/// frames from that frame on.
-pub fn rewalk_from_caller(
-    map: &CodeMap,
-    copy: &StackCopy<'_>,
-    original: (&[u64], u32),
-    cache: &mut WalkCache,
-    out: &mut [u64],
-) -> corsnap_unwind::Walk {
-    rewalk_copy(map, copy, false, original, cache, out)
-}
-
-fn rewalk_copy(
-    map: &CodeMap,
-    copy: &StackCopy<'_>,
-    from_leaf: bool,
     original: (&[u64], u32),
     cache: &mut WalkCache,
     out: &mut [u64],
@@ -271,11 +253,7 @@ fn rewalk_copy(
     let (frames, original_flags) = original;
     let splice = copy.splice.and_then(|(i, sp)| Some((i, frames.get(i)? & !corsnap_unwind::EXACT_IP, sp)));
     let stop = splice.map(|(_, ip, sp)| (ip, sp));
-    let mut walk = if from_leaf {
-        corsnap_unwind::walk_until(map, &memory, copy.regs, cache, out, stop)
-    } else {
-        corsnap_unwind::walk_from_caller_until(map, &memory, copy.regs, cache, out, stop)
-    };
+    let mut walk = corsnap_unwind::walk_from(map, &memory, copy.regs, copy.from_leaf, cache, out, stop);
     // On the agent's thread, not in a handler: what the walk learned is
     // kept at once.
     map.keep_learned(cache);

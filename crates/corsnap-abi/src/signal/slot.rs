@@ -310,6 +310,7 @@ impl ThreadSlot {
                 regs: Regs { ip: rest[0], sp: rest[1], bp: rest[2] },
                 words: &rest[COPY_HEAD..],
                 splice: (rest[3] != u64::MAX).then_some((rest[3] as usize, rest[4])),
+                from_leaf: true,
             });
             f(RawSample {
                 weight_ns: word(1),
