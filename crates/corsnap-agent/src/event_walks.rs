@@ -29,6 +29,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use corsnap_abi::event_walk::{EventMap, OwnStackCopy};
+use corsnap_abi::process::LoadedObject;
 use corsnap_abi::signal::{self, SignalSampler};
 use corsnap_abi::{CorProfilerInfo, FunctionID};
 use corsnap_unwind::process::{parse_maps, stack_ranges};
@@ -151,7 +152,7 @@ impl EventWalker {
         // agent's start to the first map here (50 ms now), and under CI's
         // load the program had thrown 921 of its 6,635 events before that
         // map, each walked by DoStackSnapshot instead.
-        walker.refresh_modules(false);
+        walker.refresh_modules(&corsnap_abi::process::loaded_objects(), false);
         // CoreLib's precompiled code is under nearly every stack: learned
         // now, it is never met unknown.
         // Its body rules come after the first map is out (see `refresh`).
@@ -177,7 +178,14 @@ impl EventWalker {
     /// Once a round, before events are taken: the loader's modules, the
     /// stacks (when a thread was announced or a walk missed its stack), and
     /// the code of the functions compiled since the last round.
-    pub fn refresh(&mut self, threads_announced: bool, compiled: &[FunctionID]) {
+    /// `loaded`: the loader's objects and counters, as
+    /// `corsnap_abi::process::loaded_objects` gave them this round.
+    pub fn refresh(
+        &mut self,
+        threads_announced: bool,
+        compiled: &[FunctionID],
+        loaded: &(Vec<LoadedObject>, (u64, u64)),
+    ) {
         // Compiled code first, in a map of its own when the modules' row
         // tables are still to be built: the runtime runs a body as soon as
         // it installs it, and an event that meets it unknown copies its
@@ -187,7 +195,7 @@ impl EventWalker {
         if self.map_dirty && self.tables_pending {
             self.publish();
         }
-        self.refresh_modules(true);
+        self.refresh_modules(loaded, true);
         if corsnap_abi::event_walk::take_stacks_stale() || threads_announced {
             self.refresh_stacks();
         }
@@ -490,13 +498,13 @@ impl EventWalker {
 
     /// The loader's modules, when they changed, or when their row tables
     /// are wanted (`tables`) and some are still to be compiled.
-    fn refresh_modules(&mut self, tables: bool) {
-        let (objects, counters) = corsnap_abi::process::loaded_objects();
+    fn refresh_modules(&mut self, (objects, counters): &(Vec<LoadedObject>, (u64, u64)), tables: bool) {
+        let counters = *counters;
         if counters == self.loader_counters && !(tables && self.tables_pending) {
             return;
         }
         self.loader_counters = counters;
-        let natives = self.native_modules.lock().unwrap_or_else(|p| p.into_inner()).modules_of(&objects, tables);
+        let natives = self.native_modules.lock().unwrap_or_else(|p| p.into_inner()).modules_of(objects, tables);
         self.tables_pending = natives.iter().any(NativeModule::table_pending);
         self.natives = natives;
         self.map_dirty = true;

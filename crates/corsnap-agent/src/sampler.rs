@@ -546,11 +546,13 @@ impl SamplerLoop {
         // find the walker held and leave the code to this thread; see
         // `Shared::wake_for_new_stacks`): the walker's refresh finds them
         // built.
-        if self.shared.native_event_walks {
-            let (objects, counters) = corsnap_abi::process::loaded_objects();
-            if counters != self.tables_built_for {
-                self.tables_built_for = counters;
-                self.native_modules.lock().unwrap_or_else(|p| p.into_inner()).modules_of(&objects, true);
+        // The loader's objects are read once a round, for this and for the
+        // walker's refresh.
+        let loaded = self.shared.native_event_walks.then(corsnap_abi::process::loaded_objects);
+        if let Some((objects, counters)) = &loaded {
+            if *counters != self.tables_built_for {
+                self.tables_built_for = *counters;
+                self.native_modules.lock().unwrap_or_else(|p| p.into_inner()).modules_of(objects, true);
             }
         }
         // The walker is held for each step on its own, not the whole round:
@@ -558,7 +560,7 @@ impl SamplerLoop {
         // to this thread, and until this thread has learned it every event
         // through that code copies its stack.
         let event_walker = || shared.event_walker.lock().unwrap_or_else(|p| p.into_inner());
-        let image = event_walker().as_mut().and_then(|walker| {
+        let image = event_walker().as_mut().zip(loaded.as_ref()).and_then(|(walker, loaded)| {
             let now = Instant::now();
             if last.is_some() || now >= self.next_repeats {
                 self.next_repeats = now + REPEATS_EVERY;
@@ -567,7 +569,7 @@ impl SamplerLoop {
             let announced = self.shared.threads_changed_for_events.swap(false, std::sync::atomic::Ordering::Relaxed);
             let compiled =
                 std::mem::take(&mut *self.shared.jitted_for_events.lock().unwrap_or_else(|p| p.into_inner()));
-            walker.refresh(announced, &compiled);
+            walker.refresh(announced, &compiled, loaded);
             walker.take_image_without_rules()
         });
         if let Some(image) = image {
