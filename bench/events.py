@@ -21,7 +21,10 @@ exception callbacks alone, and those plus the one synchronous stack walk
 per exception that exact exception stacks need (with each walker); and the
 design issue 18 proposes instead of the callbacks, the runtime's one
 `ExceptionThrown_V1` event per throw from an in-process EventPipe session,
-alone and with the native walk. The
+alone and with the native walk; and, without corsnap, the third way the
+runtime tells code in the process of a throw: an empty
+`AppDomain.FirstChanceException` handler, subscribed by a startup hook
+(bench/programs/firstchance_hook.cs). The
 alloc workload has one too (CORSNAP_BENCH_ALLOC_SESSION_ONLY): the runtime
 delivering its allocation ticks to an agent that ignores them.
 
@@ -47,6 +50,7 @@ LABELS = {
     "walk-snapshot": "floor: callbacks + DoStackSnapshot",
     "eventpipe": "floor: EventPipe's ExceptionThrown only",
     "eventpipe-walk": "floor: EventPipe's ExceptionThrown + native walk",
+    "firstchance": "floor: no profiler, an empty FirstChanceException handler",
     "session": "floor: the runtime's allocation events only",
     "cpu": "`-e cpu -e exceptions`, native",
     "cpu-snapshot": "`-e cpu -e exceptions`, snapshot",
@@ -96,6 +100,8 @@ def main():
         subprocess.run(["bash", f"{ROOT}/scripts/build-cs.sh", f"{ROOT}/bench/programs/events.cs", out, rt],
                        env=env, check=True, stdout=subprocess.DEVNULL)
         dlls[rt] = (env[f"CORSNAP_DOTNET{rt}"], os.path.join(out, "events.dll"))
+        subprocess.run(["bash", f"{ROOT}/scripts/build-cs.sh", f"{ROOT}/bench/programs/firstchance_hook.cs", out, rt],
+                       env=env, check=True, stdout=subprocess.DEVNULL)
     corsnap = CORSNAP
     scratch = tempfile.mkdtemp(prefix="corsnap-events-bench-")
     chosen = [w for w in args.workloads.split(",") if w]
@@ -108,7 +114,7 @@ def main():
     # walker), or with the agent doing only the runtime's share.
     def modes(workload):
         if WORKLOADS[workload][0] == "exceptions":
-            floors = ["monitor", "walk", "walk-snapshot", "eventpipe", "eventpipe-walk"]
+            floors = ["monitor", "walk", "walk-snapshot", "eventpipe", "eventpipe-walk", "firstchance"]
             extra = ["cpu", "cpu-snapshot"] if workload == "validate" else []
         else:
             floors, extra = ["session"], []
@@ -117,7 +123,8 @@ def main():
             chosen_modes = args.modes.split(",")
             every = ["none"] + [m for m in every if m in chosen_modes]
         if args.baseline:
-            every = every[:1] + [v for m in every[1:] for v in (m, m + "@base")]
+            # (The first-chance floor runs no corsnap: once.)
+            every = every[:1] + [v for m in every[1:] for v in ((m,) if m == "firstchance" else (m, m + "@base"))]
         return every
 
     shares = {}
@@ -132,6 +139,9 @@ def main():
         walker = "snapshot" if mode.endswith("snapshot") else "native"
         if mode == "none":
             cmd = program
+        elif mode == "firstchance":
+            cmd = program
+            e["DOTNET_STARTUP_HOOKS"] = os.path.join(os.path.dirname(dll), "firstchance_hook.dll")
         else:
             # `--roots show`: on .NET 9 and later the callbacks run inside the
             # runtime's managed exception dispatch, whose frames (and all

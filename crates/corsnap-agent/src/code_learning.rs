@@ -64,6 +64,9 @@ pub struct CodeLearner {
     /// answer failed the header check (then the scan decides).
     pub found_by_map: u64,
     pub map_misses: u64,
+    /// Bodies compiled, found by the header before the start the runtime
+    /// gave (see [`compiled_body`]).
+    pub found_at_start: u64,
     /// Functions compiled whose code the runtime had not set yet when asked
     /// (a method compiled for the first time has it set only after
     /// `JITCompilationFinished` returns), and since when: asked again at
@@ -157,6 +160,7 @@ impl CodeLearner {
             images_learned: 0,
             stubs_learned: 0,
             found_by_map: 0,
+            found_at_start: 0,
             map_misses: 0,
             code_not_set: Vec::new(),
         }
@@ -215,7 +219,13 @@ impl CodeLearner {
                     if start == 0 || known(start) || learned.iter().any(|m| m.code.contains(&start)) {
                         continue;
                     }
-                    if let Learned::Code(code) = self.learn(start) {
+                    // Its header is the pointer before its first instruction;
+                    // the runtime's code map (twenty-odd reads) only confirms it.
+                    if let Some(body) = compiled_body(&self.layout.header, start, function as u64) {
+                        self.jit_bodies_learned += 1;
+                        self.found_at_start += 1;
+                        learned.push(body);
+                    } else if let Learned::Code(code) = self.learn(start) {
                         learned.push(code);
                     }
                 }
@@ -332,6 +342,31 @@ fn scan_block(
     None
 }
 
+/// The body the runtime compiled for `method_desc` at `start`: its code
+/// header is the pointer in the 8 bytes before `start` (as the runtime's
+/// code map finds it, `MapLookup::Body`), checked as any other.
+fn compiled_body(layout: &CodeHeaderLayout, start: u64, method_desc: u64) -> Option<ManagedCode> {
+    let header = read_own_u64(start.checked_sub(8)?)?;
+    if header <= 0xffff || header % 8 != 0 || header >= 1 << 47 {
+        return None;
+    }
+    check_header(layout, header, start, start, Some(method_desc))
+}
+
+/// Records read with the header's fields, in the same read: most bodies
+/// have one to three (the body, then its funclets).
+const RECORDS_WITH_FIELDS: u64 = 4;
+
+/// The body whose code header is at `header`, if the header is one: it
+/// names `method_desc` (with `None`, a readable pointer), and its records
+/// cover `ip`. Its records and unwind information are copied.
+///
+/// Four reads where it can (the header's fields with its first records,
+/// the records' unwind heads, then the span that holds their unwind
+/// information): each is a system call (`process_vm_readv`), about a
+/// microsecond in this VM, and a body the runtime compiles again is learned
+/// by the compiling thread (see `Shared::learn_compiled_now`). Field by
+/// field, with a read per record, a body took 50 to 130 µs.
 fn check_header(
     layout: &CodeHeaderLayout,
     header: u64,
@@ -339,19 +374,32 @@ fn check_header(
     ip: u64,
     method_desc: Option<u64>,
 ) -> Option<ManagedCode> {
-    let found = read_own_u64(header + layout.method_desc)?;
+    let (md_at, count_at, functions_at) = (layout.method_desc, layout.count, layout.functions);
+    let fields_start = md_at.min(count_at).min(functions_at);
+    let fields_end = (md_at + 8).max(count_at + 4).max(functions_at);
+    // With the first records if the memory after the fields is readable
+    // (a header at the end of a mapping may have no more).
+    let with_records = fields_end.max(functions_at + RECORDS_WITH_FIELDS * RUNTIME_FUNCTION_SIZE as u64);
+    let fields = read_own_bytes(header + fields_start, (with_records - fields_start) as usize)
+        .or_else(|| read_own_bytes(header + fields_start, (fields_end - fields_start) as usize))?;
+    let field = |at: u64| (at - fields_start) as usize;
+    let found = u64::from_le_bytes(fields.get(field(md_at)..field(md_at) + 8)?.try_into().ok()?);
     match method_desc {
         Some(md) if found != md => return None,
         // Any method: it must at least be a readable pointer.
         None if found < 0x10000 || found % 8 != 0 || read_own_u64(found).is_none() => return None,
         _ => {}
     }
-    let count = read_own_bytes(header + layout.count, 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))?;
+    let count = u32_at(&fields, field(count_at))?;
     let max_count = if method_desc.is_some() { 1024 } else { 16 };
     if count == 0 || count > max_count {
         return None;
     }
-    let raw = read_own_bytes(header + layout.functions, count as usize * RUNTIME_FUNCTION_SIZE)?;
+    let records_len = count as usize * RUNTIME_FUNCTION_SIZE;
+    let raw = match fields.get(field(functions_at)..field(functions_at) + records_len) {
+        Some(raw) => raw.to_vec(),
+        None => read_own_bytes(header + functions_at, records_len)?,
+    };
     let mut records: Vec<[u32; 3]> = raw
         .chunks_exact(RUNTIME_FUNCTION_SIZE)
         .map(|c| {
@@ -370,17 +418,23 @@ fn check_header(
     if records.iter().any(|r| r[0] >= r[1]) || !(code_start..code_end).contains(&ip) {
         return None;
     }
-    // The unwind records lie after the code, in the same allocation: copy
-    // the span that holds them all.
-    let mut span_start = u64::MAX;
-    let mut span_end = 0u64;
-    for r in &records {
-        let at = base + u64::from(r[2]);
-        let head = read_own_bytes(at, 4)?;
-        let len = unwind_info_len([head[0], head[1], head[2], head[3]]) as u64;
-        span_start = span_start.min(at);
-        span_end = span_end.max(at + len);
+    // The unwind records lie after the code, in the same allocation: the
+    // heads (each gives its record's length) in one read, then the span
+    // that holds them all.
+    let heads_start = records.iter().map(|r| base + u64::from(r[2])).min()?;
+    let heads_end = records.iter().map(|r| base + u64::from(r[2]) + 4).max()?;
+    if heads_end - heads_start > 64 * 1024 {
+        return None;
     }
+    let heads = read_own_bytes(heads_start, (heads_end - heads_start) as usize)?;
+    let mut span_end = heads_end;
+    for r in &records {
+        let at = (base + u64::from(r[2]) - heads_start) as usize;
+        let head = heads.get(at..at + 4)?;
+        let len = unwind_info_len([head[0], head[1], head[2], head[3]]) as u64;
+        span_end = span_end.max(base + u64::from(r[2]) + len);
+    }
+    let span_start = heads_start;
     if span_end - span_start > 64 * 1024 {
         return None;
     }

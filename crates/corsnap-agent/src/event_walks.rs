@@ -70,6 +70,10 @@ pub struct EventWalkStats {
     /// one that compiled them again, or one whose event met them (see
     /// `Shared::learn_compiled_now`).
     pub learned_off_the_sampler_thread: u64,
+    /// Time those threads spent learning, and publishing the maps that
+    /// followed, in microseconds.
+    pub learning_off_the_sampler_thread_us: u64,
+    pub publishing_off_the_sampler_thread_us: u64,
 }
 
 pub struct EventWalker {
@@ -227,11 +231,15 @@ impl EventWalker {
     /// On another thread than the sampler's (see `Shared::learn_compiled_now`):
     /// learns `compiled` and publishes a map with it.
     pub fn learn_compiled_now(&mut self, compiled: &[FunctionID]) {
+        let started = std::time::Instant::now();
         let before = self.stats.learned_at_compile;
         self.learn_compiled(compiled);
         self.stats.learned_off_the_sampler_thread += self.stats.learned_at_compile - before;
+        self.stats.learning_off_the_sampler_thread_us += started.elapsed().as_micros() as u64;
         if self.map_dirty {
+            let started = std::time::Instant::now();
             self.publish();
+            self.stats.publishing_off_the_sampler_thread_us += started.elapsed().as_micros() as u64;
         }
     }
 

@@ -605,8 +605,8 @@ impl SignalEngine {
             log::write(format_args!("signal handler at the end: {}", HandlerTime::describe(&self.handler_times)));
             log::write(format_args!(
                 "signal engine stopped: {} samples ({} walked again from their stack copy, in {} walks); {} JIT bodies ({} as \
-                 they were compiled, in {:?}, {} found by the runtime's code map, {} map answers refused), {} stubs and {} \
-                 images learned; {c:?}",
+                 they were compiled, in {:?}, {} found by the runtime's code map, {} at the start it gave, {} map answers \
+                 refused), {} stubs and {} images learned; {c:?}",
                 self.samples,
                 self.stack_copies,
                 self.rewalked,
@@ -614,6 +614,7 @@ impl SignalEngine {
                 self.learned_at_compile,
                 self.learning_at_compile,
                 self.learner.found_by_map,
+                self.learner.found_at_start,
                 self.learner.map_misses,
                 self.learner.stubs_learned,
                 self.learner.images_learned

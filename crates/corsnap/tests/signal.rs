@@ -470,7 +470,8 @@ fn a_program_that_takes_sigprof_for_itself_is_left_alone_with_a_warning() {
 #[test]
 fn net10_code_is_found_through_the_runtimes_own_code_map() {
     // .NET 10 describes its code map in its contract descriptor: every JIT'd
-    // body the engine learns is found by the runtime's nibble map, none by
+    // body the engine learns is found by the runtime's nibble map (or, as
+    // the runtime compiled it, at the start the runtime gave), none by
     // scanning back over code.
     let dir = scratch("layout-net10");
     let log = dir.join("agent.log");
@@ -497,10 +498,14 @@ fn net10_code_is_found_through_the_runtimes_own_code_map() {
         .collect();
     let bodies = *head.last().unwrap();
     let tail = &stopped[at..];
-    // "... {by_map} found by the runtime's code map"
-    let by_map_at = tail.find(" found by the runtime's code map").unwrap_or_else(|| panic!("{stopped}"));
-    let by_map: u64 = tail[..by_map_at].rsplit(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap();
-    assert!(bodies > 0 && by_map == bodies, "{stopped} ({numbers:?})");
+    // "... {by_map} found by the runtime's code map, {at_start} at the start it gave"
+    let number_before = |text: &str| -> u64 {
+        let at = tail.find(text).unwrap_or_else(|| panic!("{stopped}"));
+        tail[..at].rsplit(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+    };
+    let by_map = number_before(" found by the runtime's code map");
+    let at_start = number_before(" at the start it gave");
+    assert!(bodies > 0 && by_map + at_start == bodies, "{stopped} ({numbers:?})");
     assert!(tail.contains(", 0 map answers refused"), "{stopped}");
 }
 
