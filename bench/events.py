@@ -24,7 +24,8 @@ design issue 18 proposes instead of the callbacks, the runtime's one
 alone and with the native walk; and, without corsnap, the third way the
 runtime tells code in the process of a throw: an empty
 `AppDomain.FirstChanceException` handler, subscribed by a startup hook
-(bench/programs/firstchance_hook.cs). The
+(bench/programs/firstchance_hook.cs), and one that calls the agent, which
+makes the native walk (on neither the callbacks nor EventPipe). The
 alloc workload has one too (CORSNAP_BENCH_ALLOC_SESSION_ONLY): the runtime
 delivering its allocation ticks to an agent that ignores them.
 
@@ -51,6 +52,7 @@ LABELS = {
     "eventpipe": "floor: EventPipe's ExceptionThrown only",
     "eventpipe-walk": "floor: EventPipe's ExceptionThrown + native walk",
     "firstchance": "floor: no profiler, an empty FirstChanceException handler",
+    "firstchance-walk": "floor: a FirstChanceException handler calling the agent's native walk",
     "session": "floor: the runtime's allocation events only",
     "cpu": "`-e cpu -e exceptions`, native",
     "cpu-snapshot": "`-e cpu -e exceptions`, snapshot",
@@ -114,7 +116,8 @@ def main():
     # walker), or with the agent doing only the runtime's share.
     def modes(workload):
         if WORKLOADS[workload][0] == "exceptions":
-            floors = ["monitor", "walk", "walk-snapshot", "eventpipe", "eventpipe-walk", "firstchance"]
+            floors = ["monitor", "walk", "walk-snapshot", "eventpipe", "eventpipe-walk", "firstchance",
+                      "firstchance-walk"]
             extra = ["cpu", "cpu-snapshot"] if workload == "validate" else []
         else:
             floors, extra = ["session"], []
@@ -153,6 +156,9 @@ def main():
                 e["CORSNAP_BENCH_ALLOC_SESSION_ONLY"] = "1"
             elif mode.startswith("eventpipe"):
                 e["CORSNAP_BENCH_EXCEPTIONS"] = mode
+            elif mode == "firstchance-walk":
+                e["CORSNAP_BENCH_EXCEPTIONS"] = mode
+                e["DOTNET_STARTUP_HOOKS"] = os.path.join(os.path.dirname(dll), "firstchance_hook.dll")
             elif mode.startswith("walk"):
                 e["CORSNAP_BENCH_EXCEPTIONS"] = "walk"
             elif mode == "monitor":

@@ -18,6 +18,7 @@
 
 mod callback;
 pub mod event_walk;
+pub mod first_chance;
 pub mod hot_memory;
 mod info;
 mod metadata;
