@@ -83,6 +83,9 @@ def main():
     ap.add_argument("--exceptions", type=int, default=200_000, help="throw/catch pairs")
     ap.add_argument("--requests", type=int, default=200_000, help="requests (half of them throw)")
     ap.add_argument("--allocs", type=int, default=1_500_000, help="allocation rounds")
+    ap.add_argument("--cpu-rate", type=int, default=1000,
+                    help="samples a second of the `cpu` rows, whose share of corsnap's frames is measured: at 100 Hz a "
+                         "run of `validate` holds a few hundred samples, too few to tell 2%% from 3%%")
     ap.add_argument("--workloads", default="validate,alloc", help=f"which of {', '.join(WORKLOADS)}, comma-separated")
     ap.add_argument("--no-floors", dest="floors", action="store_false",
                     help="skip the rows that measure the runtime's share of the cost")
@@ -149,7 +152,8 @@ def main():
             # `--roots show`: on .NET 9 and later the callbacks run inside the
             # runtime's managed exception dispatch, whose frames (and all
             # above them) a profile otherwise folds into `[exception dispatch]`.
-            events = ["-e", "cpu", "-e", event, "--roots", "show"] if mode.startswith("cpu") else ["-e", event]
+            events = (["-e", "cpu", "-e", event, "--roots", "show", "-r", str(args.cpu_rate)] if mode.startswith("cpu")
+                      else ["-e", event])
             cmd = [binary, "record", *events, "--walker", walker, "-f", "collapsed", "-o", f"{scratch}/p.txt",
                    "--"] + program
             if mode == "session":
@@ -184,10 +188,13 @@ def main():
     print(f"\nmedian of {args.rounds} interleaved rounds, {os.cpu_count()} CPUs, load average at the end "
           f"{' '.join(load)}\n")
     print("Slowdown: the ratio of medians; paired: the median of each round's ratio (middle half in brackets).\n"
-          "Floor rows record nothing: the agent only takes the runtime's exception callbacks (monitor), and also\n"
-          "makes the synchronous walk exact stacks need, with either walker; or it runs the EventPipe session that\n"
-          "delivers allocation ticks and ignores them (session). corsnap's share: of the CPU profile recorded with\n"
-          "the exceptions (the weight of stacks with a frame of corsnap's agent), median and range over rounds.\n")
+          "Floor rows record nothing: the agent only takes the runtime's exception callbacks (monitor), or EventPipe's\n"
+          "event (eventpipe), and also makes the synchronous walk exact stacks need, with either walker; a startup\n"
+          "hook's FirstChanceException handler does nothing, without corsnap (firstchance), or calls the agent's walk\n"
+          "(firstchance-walk); or the agent runs the EventPipe session that delivers allocation ticks and ignores\n"
+          "them (session). corsnap's share: of the CPU profile recorded with\n"
+          f"the exceptions at {args.cpu_rate} Hz (the weight of stacks with a frame of corsnap's agent), median and\n"
+          "range over rounds.\n")
     print("| .NET | workload | agent does | no profiler | corsnap | slowdown | paired | added per unit | target |")
     print("|---|---|---|---|---|---|---|---|---|")
     for rt in runtimes:
