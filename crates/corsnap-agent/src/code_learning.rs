@@ -67,6 +67,10 @@ pub struct CodeLearner {
     /// Bodies compiled, found by the header before the start the runtime
     /// gave (see [`compiled_body`]).
     pub found_at_start: u64,
+    /// `CORSNAP_TEST_LEARN_BY_CODE_MAP=1` (tests only): compiled bodies are
+    /// looked up as any address a walk met, so that a test can check the
+    /// runtime's code map on every one of them.
+    learn_compiled_by_map: bool,
     /// Functions compiled whose code the runtime had not set yet when asked
     /// (a method compiled for the first time has it set only after
     /// `JITCompilationFinished` returns), and since when: asked again at
@@ -161,6 +165,7 @@ impl CodeLearner {
             stubs_learned: 0,
             found_by_map: 0,
             found_at_start: 0,
+            learn_compiled_by_map: std::env::var_os("CORSNAP_TEST_LEARN_BY_CODE_MAP").is_some_and(|v| v == "1"),
             map_misses: 0,
             code_not_set: Vec::new(),
         }
@@ -221,7 +226,9 @@ impl CodeLearner {
                     }
                     // Its header is the pointer before its first instruction;
                     // the runtime's code map (twenty-odd reads) only confirms it.
-                    if let Some(body) = compiled_body(&self.layout.header, start, function as u64) {
+                    let at_start = (!self.learn_compiled_by_map)
+                        .then(|| compiled_body(&self.layout.header, start, function as u64));
+                    if let Some(body) = at_start.flatten() {
                         self.jit_bodies_learned += 1;
                         self.found_at_start += 1;
                         learned.push(body);
