@@ -226,9 +226,12 @@ impl CodeLearner {
                     }
                     // Its header is the pointer before its first instruction;
                     // the runtime's code map (twenty-odd reads) only confirms it.
-                    let at_start = (!self.learn_compiled_by_map)
-                        .then(|| compiled_body(&self.layout.header, start, function as u64));
-                    if let Some(body) = at_start.flatten() {
+                    let at_start = if self.learn_compiled_by_map {
+                        None
+                    } else {
+                        compiled_body(&self.layout.header, start, function as u64)
+                    };
+                    if let Some(body) = at_start {
                         self.jit_bodies_learned += 1;
                         self.found_at_start += 1;
                         learned.push(body);
@@ -338,7 +341,7 @@ fn scan_block(
         let offset = (start - 8 - at) as usize;
         if let Some(word) = bytes.get(offset..offset + 8) {
             let header = u64::from_le_bytes(word.try_into().ok()?);
-            if header > 0xffff && header % 8 == 0 && header < 1 << 47 {
+            if could_be_header(header) {
                 if let Some(body) = check_header(layout, header, start, ip, method_desc) {
                     return Some(body);
                 }
@@ -354,10 +357,16 @@ fn scan_block(
 /// code map finds it, `MapLookup::Body`), checked as any other.
 fn compiled_body(layout: &CodeHeaderLayout, start: u64, method_desc: u64) -> Option<ManagedCode> {
     let header = read_own_u64(start.checked_sub(8)?)?;
-    if header <= 0xffff || header % 8 != 0 || header >= 1 << 47 {
+    if !could_be_header(header) {
         return None;
     }
     check_header(layout, header, start, start, Some(method_desc))
+}
+
+/// Whether the 8 bytes before a body's start could point at its code
+/// header (an aligned user-space address), before it is read.
+fn could_be_header(word: u64) -> bool {
+    word > 0xffff && word.is_multiple_of(8) && word < 1 << 47
 }
 
 /// Records read with the header's fields, in the same read: most bodies
