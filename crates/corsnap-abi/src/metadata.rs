@@ -10,7 +10,10 @@ use crate::{check, hr, HResult, MdToken, HRESULT};
 /// methods, IMetaDataImport2 follows at 65).
 mod slot {
     pub const CLOSE_ENUM: usize = 3;
+    pub const ENUM_INTERFACE_IMPLS: usize = 7;
     pub const GET_TYPE_DEF_PROPS: usize = 12;
+    pub const GET_INTERFACE_IMPL_PROPS: usize = 13;
+    pub const GET_TYPE_REF_PROPS: usize = 14;
     pub const GET_METHOD_PROPS: usize = 30;
     pub const GET_NESTED_CLASS_PROPS: usize = 62;
     pub const ENUM_GENERIC_PARAMS: usize = 65;
@@ -18,6 +21,19 @@ mod slot {
 }
 
 const _: () = assert!(slot::ENUM_GENERIC_PARAMS == 3 + 62);
+// `cor.h` declares them in this order: CloseEnum, CountEnum, ResetEnum,
+// EnumTypeDefs, EnumInterfaceImpls, EnumTypeRefs, FindTypeDefByName,
+// GetScopeProps, GetModuleFromScope, GetTypeDefProps, GetInterfaceImplProps,
+// GetTypeRefProps.
+const _: () = assert!(slot::ENUM_INTERFACE_IMPLS == slot::CLOSE_ENUM + 4);
+const _: () = assert!(slot::GET_TYPE_DEF_PROPS == slot::CLOSE_ENUM + 9);
+const _: () = assert!(slot::GET_TYPE_REF_PROPS == slot::GET_INTERFACE_IMPL_PROPS + 1);
+const _: () = assert!(slot::GET_INTERFACE_IMPL_PROPS == slot::GET_TYPE_DEF_PROPS + 1);
+
+/// Token types (`CorTokenType`, the top byte of a token).
+const MDT_TYPE_REF: u32 = 0x0100_0000;
+const MDT_TYPE_DEF: u32 = 0x0200_0000;
+const MDT_MASK: u32 = 0xFF00_0000;
 
 /// `tdVisibilityMask`; values at or above `tdNestedPublic` mean nested.
 const TD_VISIBILITY_MASK: u32 = 0x7;
@@ -143,6 +159,61 @@ impl MetaDataImport {
             ))?;
         }
         Ok(TypeDefProps { name: utf16_until_nul(&buf[..(len as usize).min(buf.len())]), flags })
+    }
+
+    /// The namespace-qualified names of the interfaces a type declares it
+    /// implements (`System.Runtime.CompilerServices.IAsyncStateMachine`),
+    /// those named by a `TypeDef` or `TypeRef`. An instantiated generic
+    /// interface (`IEnumerator<int>`, a `TypeSpec`) is left out: its name
+    /// would need its signature read. At most 64 interfaces are read.
+    pub fn interface_names(&self, type_def: MdToken) -> HResult<Vec<String>> {
+        type Enum =
+            unsafe extern "C" fn(*mut c_void, *mut *mut c_void, MdToken, *mut MdToken, u32, *mut u32) -> HRESULT;
+        type ImplProps = unsafe extern "C" fn(*mut c_void, MdToken, *mut MdToken, *mut MdToken) -> HRESULT;
+        type Close = unsafe extern "C" fn(*mut c_void, *mut c_void);
+        let mut impls = [0u32; 64];
+        let mut count = 0u32;
+        let mut henum: *mut c_void = std::ptr::null_mut();
+        // SAFETY: EnumInterfaceImpls then CloseEnum on the same HCORENUM.
+        let hr = unsafe {
+            let enumerate: Enum = self.method(slot::ENUM_INTERFACE_IMPLS);
+            let hr =
+                enumerate(self.this.as_ptr(), &mut henum, type_def, impls.as_mut_ptr(), impls.len() as u32, &mut count);
+            if !henum.is_null() {
+                let close: Close = self.method(slot::CLOSE_ENUM);
+                close(self.this.as_ptr(), henum);
+            }
+            hr
+        };
+        check(hr)?;
+        let mut names = Vec::new();
+        for &implementation in &impls[..(count as usize).min(impls.len())] {
+            let (mut class, mut interface) = (0u32, 0u32);
+            // SAFETY: GetInterfaceImplProps.
+            unsafe {
+                let props: ImplProps = self.method(slot::GET_INTERFACE_IMPL_PROPS);
+                check(props(self.this.as_ptr(), implementation, &mut class, &mut interface))?;
+            }
+            match interface & MDT_MASK {
+                MDT_TYPE_DEF => names.push(self.get_type_def_props(interface)?.name),
+                MDT_TYPE_REF => names.push(self.get_type_ref_name(interface)?),
+                _ => {}
+            }
+        }
+        Ok(names)
+    }
+
+    /// A type reference's namespace-qualified name.
+    pub fn get_type_ref_name(&self, type_ref: MdToken) -> HResult<String> {
+        type F = unsafe extern "C" fn(*mut c_void, MdToken, *mut MdToken, *mut u16, u32, *mut u32) -> HRESULT;
+        let mut buf = [0u16; NAME_CAPACITY];
+        let (mut scope, mut len) = (0u32, 0u32);
+        // SAFETY: GetTypeRefProps.
+        unsafe {
+            let f: F = self.method(slot::GET_TYPE_REF_PROPS);
+            check(f(self.this.as_ptr(), type_ref, &mut scope, buf.as_mut_ptr(), buf.len() as u32, &mut len))?;
+        }
+        Ok(utf16_until_nul(&buf[..(len as usize).min(buf.len())]))
     }
 
     /// The type a nested type is declared in.

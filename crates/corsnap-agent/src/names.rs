@@ -9,6 +9,8 @@ use std::collections::HashMap;
 
 use std::sync::Arc;
 
+use corsnap_wire::StateMachine;
+
 use corsnap_abi::{hr, CorProfilerInfo, FunctionID, HResult, HResultError, MdToken, MetaDataImport, ModuleID};
 
 use crate::modules::ModuleState;
@@ -26,6 +28,9 @@ pub struct FunctionName {
     pub module_id: ModuleID,
     pub module_path: String,
     pub method_token: MdToken,
+    /// For a compiler-generated state machine's `MoveNext`, what its type
+    /// declares it implements.
+    pub state_machine: Option<StateMachine>,
 }
 
 /// A type's display name and how many generic parameters it (with its
@@ -97,7 +102,18 @@ impl NameResolver {
         }
         name.push_str(&method.name);
         push_generic_params(&mut name, &method_generics);
-        Ok(FunctionName { name, module: module_name, module_id: module, module_path, method_token })
+        let state_machine = if method.name == "MoveNext" && type_name.display.contains("+<") {
+            // Roslyn names an async method's, an iterator's and an async
+            // iterator's state machine alike; the interfaces tell them
+            // apart where the stack may not (an inlined `Start`).
+            metadata
+                .interface_names(method.class_token)
+                .ok()
+                .and_then(|names| StateMachine::from_interfaces(names.iter().map(String::as_str)))
+        } else {
+            None
+        };
+        Ok(FunctionName { name, module: module_name, module_id: module, module_path, method_token, state_machine })
     }
 
     /// A class's display name (an exception's or a loaded class's type),

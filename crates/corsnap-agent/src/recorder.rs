@@ -127,17 +127,20 @@ impl Recorder {
         if function == 0 || !self.sent_functions.insert(function) {
             return;
         }
-        let (name, module, source) = match self.names.resolve(function) {
+        let (name, module, source, state_machine) = match self.names.resolve(function) {
             Ok(n) => {
                 self.stats.names_resolved += 1;
-                (n.name, n.module, Some((n.module_id, n.module_path, n.method_token)))
+                (n.name, n.module, Some((n.module_id, n.module_path, n.method_token)), n.state_machine)
             }
             Err(e) => {
                 self.stats.name_failures += 1;
-                (format!("[unresolved function 0x{function:x}: {e}]"), String::new(), None)
+                (format!("[unresolved function 0x{function:x}: {e}]"), String::new(), None, None)
             }
         };
         self.channel.queue(&Message::Function { function_id: function as u64, name, module });
+        if let Some(kind) = state_machine {
+            self.channel.queue(&Message::StateMachine { function_id: function as u64, kind });
+        }
         // Where its lines are: the CLI reads the module's PDB.
         if let Some((module_id, path, method_token)) = source.filter(|s| s.0 != 0 && s.2 != 0) {
             if self.sent_modules.get(&module_id) != Some(&path) {

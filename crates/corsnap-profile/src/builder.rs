@@ -167,6 +167,13 @@ impl ProfileBuilder {
             Message::FunctionSource { function_id, module_id, method_token } => {
                 self.lines.sources.insert(*function_id, (*module_id, *method_token));
             }
+            Message::StateMachine { function_id, kind } => {
+                // The metadata told: the stack need not be asked.
+                if let Some(&frame) = self.functions.get(function_id) {
+                    let variant = self.state_machine_variant(frame, *kind);
+                    self.functions.insert(*function_id, variant);
+                }
+            }
             Message::Sample { time_ns, thread_id, kind, weight, truncated, leaf, frames, il_offsets } => {
                 let head = (*kind, *time_ns, *thread_id, *truncated, *weight);
                 self.add_sample_with_offsets(head, leaf, frames, il_offsets);
@@ -324,7 +331,8 @@ impl ProfileBuilder {
     }
 
     /// Gives each Roslyn state machine's `MoveNext` in `stack` (leaf first)
-    /// what its callers show it to be: an async method or an iterator
+    /// that the metadata did not tell of ([`Message::StateMachine`]) what
+    /// its callers show it to be: an async method or an iterator
     /// ([`state_machine_from_callers`]).
     fn tell_state_machines(&mut self, stack: &mut [FrameIdx]) {
         for i in 0..stack.len() {
@@ -335,7 +343,7 @@ impl ProfileBuilder {
             }
             let is_move_next = *self.move_next[frame as usize].get_or_insert_with(|| {
                 let f = &frames[frame as usize];
-                f.kind == FrameKind::Managed && is_roslyn_move_next(&f.name)
+                f.kind == FrameKind::Managed && f.state_machine.is_none() && is_roslyn_move_next(&f.name)
             });
             if !is_move_next {
                 continue;
@@ -345,17 +353,20 @@ impl ProfileBuilder {
                 (caller.kind == FrameKind::Managed).then_some(caller.name.as_str())
             });
             let Some(kind) = state_machine_from_callers(&frames[frame as usize].name, callers) else { continue };
-            stack[i] = match self.state_machines.get(&(frame, kind)) {
-                Some(&variant) => variant,
-                None => {
-                    let mut variant = self.profile.frames[frame as usize].clone();
-                    variant.state_machine = Some(kind);
-                    let idx = self.profile.intern_frame(variant);
-                    self.state_machines.insert((frame, kind), idx);
-                    idx
-                }
-            };
+            stack[i] = self.state_machine_variant(frame, kind);
         }
+    }
+
+    /// `frame` (a state machine's `MoveNext`) marked as `kind`.
+    fn state_machine_variant(&mut self, frame: FrameIdx, kind: StateMachine) -> FrameIdx {
+        if let Some(&variant) = self.state_machines.get(&(frame, kind)) {
+            return variant;
+        }
+        let mut variant = self.profile.frames[frame as usize].clone();
+        variant.state_machine = Some(kind);
+        let idx = self.profile.intern_frame(variant);
+        self.state_machines.insert((frame, kind), idx);
+        idx
     }
 
     /// `[native code]` or `[truncated]`, interned once rather than looked up
@@ -679,6 +690,34 @@ mod tests {
         // The raw name is the same in every variant.
         let items: Vec<_> = p.frames.iter().filter(|f| f.name == "Shop.Repo+<Items>d__3.MoveNext").collect();
         assert_eq!(items.len(), 2);
+    }
+
+    #[test]
+    fn a_state_machine_the_metadata_tells_of_is_named_so_whatever_calls_it() {
+        let mut b = ProfileBuilder::new();
+        for message in [
+            function(0x10, "Shop.Program.Main", "Shop.dll"),
+            function(0x20, "Shop.Orders+<HandleAsync>d__4.MoveNext", "Shop.dll"),
+            Message::StateMachine { function_id: 0x20, kind: StateMachine::Async },
+            function(0x50, "Shop.Repo+<Items>d__3.MoveNext", "Shop.dll"),
+            Message::StateMachine { function_id: 0x50, kind: StateMachine::Iterator },
+        ] {
+            b.apply(&message);
+        }
+        // .NET 10's JIT inlines `AsyncMethodBuilderCore.Start` and the
+        // kickoff method (they hold a try/finally): the caller says iterator.
+        b.add_sample(1, 1, false, &[0x20, 0x10], 1);
+        b.add_sample(2, 1, false, &[0x50], 1);
+        let p = b.finish();
+        let shown: Vec<String> = p
+            .samples
+            .iter()
+            .map(|s| {
+                let frames = p.stacks[s.stack as usize].iter().rev();
+                frames.map(|&f| p.frames[f as usize].display_name().into_owned()).collect::<Vec<_>>().join(";")
+            })
+            .collect();
+        assert_eq!(shown, ["Shop.Program.Main;Shop.Orders.HandleAsync [async]", "Shop.Repo.Items [iterator]"]);
     }
 
     #[test]

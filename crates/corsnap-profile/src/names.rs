@@ -24,28 +24,23 @@
 //! that does not follow these conventions all the way, is returned as it is.
 //!
 //! Roslyn gives async methods, iterators and async iterators the same kind
-//! of name (`<M>d__N`); which one a `MoveNext` is shows in who calls it
-//! ([`state_machine_from_callers`]): the runtime's async machinery (or the
-//! method itself, on its first run) for an async method, anyone else for an
-//! iterator.
+//! of name (`<M>d__N`). The agent reads which one a `MoveNext` is from the
+//! interfaces its type declares and says so
+//! ([`corsnap_wire::Message::StateMachine`]). Where it did not (a recording
+//! made before it did, metadata it could not read), who calls the
+//! `MoveNext` tells ([`state_machine_from_callers`]): the runtime's async
+//! machinery (or the method itself, on its first run) for an async method,
+//! anyone else for an iterator.
 
 use std::borrow::Cow;
 
-/// What a compiler-generated state machine implements.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum StateMachine {
-    Async,
-    Iterator,
-    AsyncIterator,
-}
+pub use corsnap_wire::StateMachine;
 
-impl StateMachine {
-    fn marker(self) -> &'static str {
-        match self {
-            StateMachine::Async => "async",
-            StateMachine::Iterator => "iterator",
-            StateMachine::AsyncIterator => "async iterator",
-        }
+fn marker_of(kind: StateMachine) -> &'static str {
+    match kind {
+        StateMachine::Async => "async",
+        StateMachine::Iterator => "iterator",
+        StateMachine::AsyncIterator => "async iterator",
     }
 }
 
@@ -77,10 +72,10 @@ pub fn is_roslyn_move_next(raw: &str) -> bool {
 /// machinery is the state machine's own `MoveNextAsync`, an async iterator.
 /// Called by other managed code (a `foreach`, LINQ), an iterator; that
 /// includes another state machine's `MoveNext` (a `foreach` in an async
-/// method), which would only call an async method's `MoveNext` directly if
-/// the JIT had inlined both the method and `AsyncMethodBuilderCore.Start`
-/// (a method with a `try`/`finally`) into it, which .NET 8 to 10 were not
-/// seen to do.
+/// method). An async method's `MoveNext` is misread as an iterator's when
+/// the JIT inlined both the method and `AsyncMethodBuilderCore.Start` (a
+/// method with a `try`/`finally`, which .NET 10 inlines) into its caller;
+/// the agent's word from the metadata comes first for that reason.
 pub fn state_machine_from_callers<'a>(
     raw: &str,
     callers: impl IntoIterator<Item = Option<&'a str>>,
@@ -407,12 +402,12 @@ fn render(raw: &str, seen_as: Option<StateMachine>, depth: usize) -> Option<Stri
         match member {
             "" => return None,
             "MoveNext" => {
-                let marker = kind.or(seen_as).map_or("state machine", StateMachine::marker);
+                let marker = kind.or(seen_as).map_or("state machine", marker_of);
                 out.push_str(&format!(" [{marker}]"));
             }
             member => {
                 let kind = kind.or_else(|| member_says(member));
-                let marker = kind.map_or("state machine", StateMachine::marker);
+                let marker = kind.map_or("state machine", marker_of);
                 let short = split(member).and_then(|s| s.last().map(|s| s.text)).unwrap_or(member);
                 out.push_str(&format!(" [{marker}: {short}]"));
             }

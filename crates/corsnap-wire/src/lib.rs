@@ -280,6 +280,11 @@ pub enum Message {
     /// key of its sequence points in the assembly's portable PDB. Sent once
     /// per function, after its `Function`, when the runtime tells both.
     FunctionSource { function_id: u64, module_id: u64, method_token: u32 },
+    /// A compiler-generated state machine's `MoveNext` and what its type
+    /// declares it implements. Sent once per function, after its
+    /// `Function`, when the metadata tells; otherwise the CLI tells from
+    /// the stack's callers.
+    StateMachine { function_id: u64, kind: StateMachine },
     /// A loaded module (assembly) by the runtime's `ModuleID`, the file it
     /// was loaded from (empty for a module loaded from memory; in a
     /// single-file bundle, a path beside the bundle where no file is), and
@@ -320,6 +325,51 @@ pub enum Message {
     /// --subprocesses`): the messages that follow, up to the next `Process`,
     /// came from this process. The first names the program corsnap started.
     Process { pid: u32, name: String },
+}
+
+/// What a compiler-generated state machine implements: Roslyn names an async
+/// method's, an iterator's and an async iterator's alike (`<M>d__4`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum StateMachine {
+    /// `IAsyncStateMachine`.
+    Async = 0,
+    /// `IEnumerator`.
+    Iterator = 1,
+    /// `IAsyncStateMachine` and `IAsyncEnumerator<T>` (seen in metadata by
+    /// the non-generic `IAsyncDisposable` beside them).
+    AsyncIterator = 2,
+}
+
+impl StateMachine {
+    pub fn from_u8(value: u8) -> Option<Self> {
+        match value {
+            0 => Some(StateMachine::Async),
+            1 => Some(StateMachine::Iterator),
+            2 => Some(StateMachine::AsyncIterator),
+            _ => None,
+        }
+    }
+
+    /// What a type that declares it implements `interfaces`
+    /// (namespace-qualified names, non-generic ones at least) is, if a
+    /// state machine.
+    pub fn from_interfaces<'a>(interfaces: impl IntoIterator<Item = &'a str>) -> Option<Self> {
+        let (mut async_machine, mut async_disposable, mut enumerator) = (false, false, false);
+        for name in interfaces {
+            match name {
+                "System.Runtime.CompilerServices.IAsyncStateMachine" => async_machine = true,
+                "System.IAsyncDisposable" => async_disposable = true,
+                "System.Collections.IEnumerator" => enumerator = true,
+                _ => {}
+            }
+        }
+        match (async_machine, async_disposable, enumerator) {
+            (true, true, _) => Some(StateMachine::AsyncIterator),
+            (true, false, _) => Some(StateMachine::Async),
+            (false, _, true) => Some(StateMachine::Iterator),
+            _ => None,
+        }
+    }
 }
 
 /// The PDB an assembly was built with, from its CodeView debug directory
@@ -439,6 +489,7 @@ mod tag {
     pub const SAMPLE_IL: u8 = 13;
     pub const FUNCTION_SOURCE: u8 = 14;
     pub const MODULE: u8 = 15;
+    pub const STATE_MACHINE: u8 = 16;
 }
 
 /// A frame's IL offset when none is known.
@@ -561,6 +612,11 @@ impl Message {
                 w.u64(*module_id);
                 w.u32(*method_token);
             }
+            Message::StateMachine { function_id, kind } => {
+                w.u8(tag::STATE_MACHINE);
+                w.u64(*function_id);
+                w.u8(*kind as u8);
+            }
             Message::Module { module_id, path, pdb } => {
                 w.u8(tag::MODULE);
                 w.u64(*module_id);
@@ -639,6 +695,10 @@ impl Message {
             tag::FUNCTION_SOURCE => {
                 Message::FunctionSource { function_id: r.u64()?, module_id: r.u64()?, method_token: r.u32()? }
             }
+            tag::STATE_MACHINE => Message::StateMachine {
+                function_id: r.u64()?,
+                kind: StateMachine::from_u8(r.u8()?).ok_or(DecodeError::BadValue("state machine"))?,
+            },
             tag::MODULE => {
                 let module_id = r.u64()?;
                 let path = r.string()?;
@@ -1126,6 +1186,24 @@ pub fn read_raw_header(input: &mut impl Read) -> io::Result<()> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_state_machine_is_told_by_the_interfaces_its_type_declares() {
+        let machine = |names: &[&str]| StateMachine::from_interfaces(names.iter().copied());
+        // What Roslyn declares for each (generic interfaces are TypeSpecs, left out).
+        assert_eq!(machine(&["System.Runtime.CompilerServices.IAsyncStateMachine"]), Some(StateMachine::Async));
+        assert_eq!(machine(&["System.Collections.IEnumerator", "System.IDisposable"]), Some(StateMachine::Iterator));
+        assert_eq!(
+            machine(&[
+                "System.IAsyncDisposable",
+                "System.Threading.Tasks.Sources.IValueTaskSource",
+                "System.Runtime.CompilerServices.IAsyncStateMachine",
+            ]),
+            Some(StateMachine::AsyncIterator)
+        );
+        assert_eq!(machine(&["System.IDisposable"]), None);
+        assert_eq!(machine(&[]), None);
+    }
+
     fn all_messages() -> Vec<Message> {
         vec![
             Message::Hello {
@@ -1159,6 +1237,7 @@ mod tests {
                 il_offsets: vec![0x1c, NO_IL_OFFSET, 0],
             },
             Message::FunctionSource { function_id: 7, module_id: 0x7f00_1234, method_token: 0x0600_0002 },
+            Message::StateMachine { function_id: 7, kind: StateMachine::AsyncIterator },
             Message::Module { module_id: 0x7f00_1234, path: "/app/app.dll".into(), pdb: None },
             Message::Module {
                 module_id: 0x7f00_1240,

@@ -230,6 +230,11 @@ impl View {
                 };
                 self.names.insert(*function_id, shown);
             }
+            Message::StateMachine { function_id, kind } => {
+                if let Some(raw) = self.untold_state_machines.remove(function_id) {
+                    self.names.insert(*function_id, readable_name(&raw, Some(*kind)).into_owned());
+                }
+            }
             Message::Thread { thread_id, os_tid, name } => {
                 let keep = name.is_empty() && self.threads.get(thread_id).is_some_and(|t| !t.1.is_empty());
                 if !keep {
@@ -776,5 +781,15 @@ mod tests {
         let names: Vec<&str> = raw.iter().map(|(name, _)| name.as_str()).collect();
         assert!(names.contains(&"Shop.Program+<Main>d__0.MoveNext") && names.contains(&"libcoreclr.so+0x1ec8db"));
         assert!(!names.contains(&"[host start-up]"), "{names:?}");
+    }
+
+    #[test]
+    fn the_agents_word_on_a_state_machine_names_it_before_any_stack() {
+        let mut view = View::new(String::new(), &options(NativeFrames::Show, RootFrames::Fold, false));
+        let name = "Shop.Feed+<ReadAllAsync>d__2.MoveNext";
+        view.apply(&Message::Function { function_id: 0x20, name: name.into(), module: "Shop.dll".into() });
+        assert_eq!(view.function_name(0x20), "Shop.Feed.ReadAllAsync [state machine]");
+        view.apply(&Message::StateMachine { function_id: 0x20, kind: corsnap_wire::StateMachine::AsyncIterator });
+        assert_eq!(view.function_name(0x20), "Shop.Feed.ReadAllAsync [async iterator]");
     }
 }
