@@ -71,6 +71,9 @@ const RECORD_HEAD: usize = 5;
 /// walk the sample again once it has learned that code: two blocks of the
 /// copy pool (64 KiB).
 const STACK_COPY_WORDS: usize = 8192;
+/// The x86-64 System V red zone: the kernel leaves the 128 bytes below the
+/// stack pointer alone when it pushes a signal frame.
+const RED_ZONE_BYTES: u64 = 128;
 /// Words copied past a splice frame's stack pointer.
 const SPLICE_SLACK_WORDS: usize = 16;
 
@@ -88,6 +91,9 @@ const SI_PID_OFFSET: usize = 16;
 /// Record flag: a sample taken on request ([`SignalSampler::request_sample`]),
 /// not by the clock; it carries no weight.
 pub const REQUESTED: u32 = 1 << 16;
+/// Record flag: the handler did not walk; the record has no frames and a
+/// copy of the thread's whole live stack, for the agent to walk.
+pub const DEFERRED: u32 = 1 << 17;
 
 /// Perf event fds up to this number can be mapped to slots in the handler.
 const MAX_PERF_FD: usize = 65536;
@@ -114,6 +120,7 @@ const SI_FD_OFFSET: usize = 24;
 struct HandlerStatics {
     map: AtomicPtr<CodeMap>,
     enabled: AtomicBool,
+    copy_first: AtomicBool,
     hijack_fields: AtomicU64,
     hijack_trampoline: AtomicU64,
     slots: [AtomicPtr<ThreadSlot>; MAX_SLOTS],
@@ -123,6 +130,7 @@ struct HandlerStatics {
 static HANDLER_STATICS: HandlerStatics = HandlerStatics {
     map: AtomicPtr::new(null_mut()),
     enabled: AtomicBool::new(false),
+    copy_first: AtomicBool::new(false),
     hijack_fields: AtomicU64::new(0),
     hijack_trampoline: AtomicU64::new(0),
     slots: [const { AtomicPtr::new(null_mut()) }; MAX_SLOTS],
@@ -158,6 +166,9 @@ fn map_handler_statics() {
 }
 /// Samples are taken only while this is set.
 static ENABLED: &AtomicBool = &HANDLER_STATICS.enabled;
+/// The handler copies the stack and leaves the walk to the agent
+/// ([`DEFERRED`]) whenever the live stack fits the copy pool's free blocks.
+static COPY_FIRST: &AtomicBool = &HANDLER_STATICS.copy_first;
 /// Counters for signals that could not become samples.
 static NOT_READY: AtomicU64 = AtomicU64::new(0);
 /// Where the runtime's thread object keeps a hijacked return address: the

@@ -187,7 +187,7 @@ fn percentile(sorted: &[u64], p: usize) -> u64 {
 }
 
 /// A `signal::StackCopy` taken out of its ring: registers, words, splice.
-type OwnedStackCopy = (corsnap_unwind::Regs, Vec<u64>, Option<(usize, u64)>);
+type OwnedStackCopy = (corsnap_unwind::Regs, u64, Vec<u64>, Option<(usize, u64)>);
 
 /// A thread being sampled.
 #[derive(Debug)]
@@ -268,6 +268,8 @@ pub struct SignalEngine {
     /// Walks again of samples from their stack copy (a sample may take
     /// several rounds).
     pub rewalked: u64,
+    /// Samples whose walk the handler left to the agent.
+    pub deferred_walks: u64,
     /// Samples that came with a stack copy.
     stack_copies: u64,
     /// Samples that met code not known yet, with no room for their copy.
@@ -377,6 +379,7 @@ impl SignalEngine {
             requested: Vec::new(),
             rewalked: 0,
             stack_copies: 0,
+            deferred_walks: 0,
             stack_copies_refused: 0,
             learned_at_compile: 0,
             learning_at_compile: Duration::ZERO,
@@ -406,6 +409,7 @@ impl SignalEngine {
         }
         engine.scan_threads();
         if let Some(s) = &engine.sampler {
+            s.set_copy_first(std::env::var_os("CORSNAP_WALK_IN_HANDLER").is_none());
             s.set_enabled(engine.enabled);
         }
         log::write(format_args!(
@@ -604,10 +608,12 @@ impl SignalEngine {
             let c = signal::counters();
             log::write(format_args!("signal handler at the end: {}", HandlerTime::describe(&self.handler_times)));
             log::write(format_args!(
-                "signal engine stopped: {} samples ({} walked again from their stack copy, in {} walks); {} JIT bodies ({} as \
+                "signal engine stopped: {} samples ({} walked by the agent from a copy of the whole stack; {} walked again \
+                 from their stack copy, in {} walks); {} JIT bodies ({} as \
                  they were compiled, in {:?}, {} found by the runtime's code map, {} at the start it gave, {} map answers \
                  refused), {} stubs and {} images learned; {c:?}",
                 self.samples,
+                self.deferred_walks,
                 self.stack_copies,
                 self.rewalked,
                 self.learner.jit_bodies_learned,
@@ -657,15 +663,41 @@ impl SignalEngine {
                     handler_ns: s.handler_ns,
                     flags: s.flags,
                     frames: s.frames.to_vec(),
-                    stack: Some((copy.regs, copy.words.to_vec(), copy.splice)),
+                    stack: Some((copy.regs, copy.start, copy.words.to_vec(), copy.splice)),
                 }),
             });
             for mut r in again {
-                if let Some((regs, words, splice)) = r.stack.take() {
-                    self.walk_again(&mut r, signal::StackCopy { regs, words: &words, splice, from_leaf: true });
-                }
-                r.flags |= COPIED;
                 let requested = r.flags & signal::REQUESTED != 0;
+                let deferred = r.flags & signal::DEFERRED != 0;
+                if let Some((regs, start, words, splice)) = r.stack.take() {
+                    let copy = signal::StackCopy { regs, start, words: &words, splice, from_leaf: true };
+                    if deferred {
+                        // The handler left the walk to us: walked here, and
+                        // again like any copy if it met code not known yet.
+                        let mut out = vec![0u64; signal::MAX_FRAMES];
+                        let walk = signal::rewalk(&self.map, &copy, (&[], 0), &mut self.rewalk_cache, &mut out);
+                        out.truncate(walk.len);
+                        r.frames = out;
+                        r.flags = walk.flags;
+                        self.deferred_walks += 1;
+                        if self.debug_walks && walk.flags & flags::COMPLETE == 0 {
+                            log::write(format_args!(
+                                "deferred walk not complete: flags {:#x}, {} frames, regs {:x?}, copy of {} words from {start:#x}",
+                                walk.flags,
+                                walk.len,
+                                regs,
+                                words.len()
+                            ));
+                        }
+                    }
+                    if !deferred || r.flags & flags::UNKNOWN_CODE != 0 {
+                        self.walk_again(&mut r, copy);
+                        r.flags |= COPIED;
+                    }
+                }
+                if requested {
+                    r.flags |= signal::REQUESTED;
+                }
                 if let Some(sample) = self.resolve(tid, r.weight_ns, r.time_ns, r.handler_ns, r.flags, &r.frames) {
                     if requested {
                         self.samples -= 1;
@@ -846,7 +878,7 @@ impl SignalEngine {
                 .collect();
             let waited_us = signal::monotonic_ns().saturating_sub(time_ns) / 1000;
             log::write(format_args!(
-                "walk flags {walk_flags:#x}, thread {tid}, drained {waited_us} µs after: {}",
+                "walk flags {walk_flags:#x}, thread {tid}, handler {handler_ns} ns, drained {waited_us} µs after: {}",
                 desc.join(" ")
             ));
             for &f in raw.iter().take(1) {

@@ -603,8 +603,44 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
         walking.stack_generation = map.generation();
         stack
     };
-    let stack_words = ((stack.end - regs.sp) / 8).min(STACK_COPY_WORDS as u64) as usize;
+    let stack_words = (((stack.end - regs.sp) / 8) as usize).min(STACK_COPY_WORDS);
     let memory = LiveMemory { stack, map, runtime_thread: slot.runtime_thread.load(Ordering::Relaxed) };
+    // With the red zone below the stack pointer: a leaf in an epilogue may
+    // have popped a register its unwind rule still reads from there (CFI
+    // that says the frame pointer is saved at CFA - 16 after `pop rbp`).
+    let copy_start = regs.sp.saturating_sub(RED_ZONE_BYTES).max(memory.stack.start);
+    let copy_words = ((memory.stack.end - copy_start) / 8) as usize;
+    if COPY_FIRST.load(Ordering::Relaxed) && copy_words <= STACK_COPY_WORDS {
+        // The whole live stack, copied with streaming stores, costs less
+        // than the walk's dependent cold reads: the agent walks the copy.
+        if let Some(block) = POOL.take(copy_words) {
+            if block.capacity() < copy_words {
+                // Only one block was free: walk here rather than cut.
+                POOL.release(block.index, block.capacity());
+            } else {
+                let flags = DEFERRED | if requested { REQUESTED } else { 0 };
+                let copy = StackToCopy {
+                    regs,
+                    words: copy_words,
+                    min_words: copy_words,
+                    memory: &memory,
+                    hijack: CopyHijack::new(None, &memory),
+                    known_frames: 0,
+                    splice: None,
+                };
+                let head = [u64::from(flags) << 32, weight_ns, 0, 0, 0];
+                if slot.ring.push_deferred(head, copy_start, copy, block, entered) {
+                    slot.samples.fetch_add(1, Ordering::Relaxed);
+                    if requested {
+                        slot.requested_samples.fetch_add(1, Ordering::Release);
+                    }
+                } else {
+                    slot.dropped_full.fetch_add(1, Ordering::Relaxed);
+                }
+                return;
+            }
+        }
+    }
     let walk = corsnap_unwind::walk(map, &memory, regs, &mut walking.cache, &mut walking.frames);
     if let Some(words) = walking.cache.take_learned_stretch().and_then(|s| s.to_words()) {
         slot.learned.push(words);

@@ -116,12 +116,49 @@ impl Ring {
                 }
             }
         }
+        self.publish(h, n, entered);
+        true
+    }
+
+    /// Appends a record with no frames whose copy of the stack from `start`
+    /// is in `block` (taken for `copy.words`, which it holds whole): a walk
+    /// left to the agent. Gives the block back and returns false when the ring
+    /// has no room for the record's head.
+    pub(super) fn push_deferred(
+        &self,
+        mut head: [u64; RECORD_HEAD],
+        start: u64,
+        copy: StackToCopy<'_>,
+        block: Block,
+        entered: u64,
+    ) -> bool {
+        let h = self.head.load(Ordering::Relaxed);
+        let t = self.tail.load(Ordering::Acquire);
+        if RING_WORDS - (h - t) < RECORD_HEAD + COPY_HEAD {
+            POOL.release(block.index, copy.words);
+            return false;
+        }
+        head[4] = COPY_HEAD as u64 | (copy.words as u64) << 32 | (block.index as u64 + 1) << 48;
+        let regs = copy.regs;
+        // For a deferred copy, the splice's stack pointer word holds where
+        // the copy starts.
+        for (i, w) in head.into_iter().chain([regs.ip, regs.sp, regs.bp, u64::MAX, start]).enumerate() {
+            self.words[(h + i) % RING_WORDS].store(w, Ordering::Relaxed);
+        }
+        let mut hijack = copy.hijack;
+        copy.memory.copy_into(start, copy.words, &mut hijack, &block);
+        self.publish(h, RECORD_HEAD + COPY_HEAD, entered);
+        true
+    }
+
+    /// Stamps the record of `n` words at `h` with the time and the
+    /// handler's time since `entered`, and publishes it.
+    fn publish(&self, h: usize, n: usize, entered: u64) {
         let stored = sample_time::counter();
         let time = if self.counter_time { stored } else { monotonic_ns() };
         self.words[(h + 2) % RING_WORDS].store(time, Ordering::Relaxed);
         self.words[(h + 3) % RING_WORDS].store(stored.wrapping_sub(entered), Ordering::Relaxed);
         self.head.store(h + n, Ordering::Release);
-        true
     }
 }
 
@@ -201,7 +238,10 @@ pub struct RawSample<'a> {
 #[derive(Debug, Clone, Copy)]
 pub struct StackCopy<'a> {
     pub regs: Regs,
-    /// The words from `regs.sp` up.
+    /// The address `words` start at: `regs.sp`, or below it for a
+    /// deferred walk's copy, which keeps the red zone too.
+    pub start: u64,
+    /// The words from `start` up.
     pub words: &'a [u64],
     /// The frame after the last one in unknown code when the sample was
     /// taken: its index among the sample's frames and its stack pointer.
@@ -235,7 +275,7 @@ pub fn rewalk(
     }
     impl Memory for CopyMemory<'_> {
         fn stack_word(&self, addr: u64) -> Option<u64> {
-            let offset = addr.checked_sub(self.copy.regs.sp)?;
+            let offset = addr.checked_sub(self.copy.start)?;
             if offset % 8 != 0 {
                 let i = (offset / 8) as usize;
                 let (lo, hi) = (*self.copy.words.get(i)?, *self.copy.words.get(i + 1)?);

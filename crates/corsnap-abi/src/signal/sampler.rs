@@ -145,6 +145,12 @@ impl SignalSampler {
         current.sa_restorer.map_or(0, |f| f as usize as u64)
     }
 
+    /// Whether the handler copies the stack and leaves the walk to the
+    /// agent's thread when it can ([`DEFERRED`]), rather than walking.
+    pub fn set_copy_first(&self, on: bool) {
+        COPY_FIRST.store(on, Ordering::Relaxed);
+    }
+
     /// Starts or stops turning signals into samples.
     pub fn set_enabled(&self, on: bool) {
         ENABLED.store(on, Ordering::Release);

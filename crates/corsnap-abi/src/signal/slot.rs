@@ -306,8 +306,10 @@ impl ThreadSlot {
                 POOL.read_and_release(block, words, scratch);
             }
             let (frames, rest) = scratch.split_at(len);
+            let flags = (word(0) >> 32) as u32;
             let stack = (record.copied >= COPY_HEAD).then(|| StackCopy {
                 regs: Regs { ip: rest[0], sp: rest[1], bp: rest[2] },
+                start: if flags & DEFERRED != 0 { rest[4] } else { rest[1] },
                 words: &rest[COPY_HEAD..],
                 splice: (rest[3] != u64::MAX).then_some((rest[3] as usize, rest[4])),
                 from_leaf: true,
