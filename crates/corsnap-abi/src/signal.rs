@@ -74,6 +74,9 @@ const STACK_COPY_WORDS: usize = 8192;
 /// The x86-64 System V red zone: the kernel leaves the 128 bytes below the
 /// stack pointer alone when it pushes a signal frame.
 const RED_ZONE_BYTES: u64 = 128;
+/// Bytes a deferred walk's copy reaches past the root frame's stack
+/// pointer (as a walk that reached the root copies 64 words past it).
+const ROOT_SLACK_BYTES: u64 = 512;
 /// Words copied past a splice frame's stack pointer.
 const SPLICE_SLACK_WORDS: usize = 16;
 

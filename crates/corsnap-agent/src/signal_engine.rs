@@ -680,6 +680,11 @@ impl SignalEngine {
                         r.frames = out;
                         r.flags = walk.flags;
                         self.deferred_walks += 1;
+                        if walk.flags & (flags::COMPLETE | flags::SIGNAL_FRAME) == flags::COMPLETE {
+                            slot.note_stack_root(walk.sp);
+                        } else if walk.flags & flags::COMPLETE == 0 {
+                            slot.forget_stack_root();
+                        }
                         if self.debug_walks && walk.flags & flags::COMPLETE == 0 {
                             log::write(format_args!(
                                 "deferred walk not complete: flags {:#x}, {} frames, regs {:x?}, copy of {} words from {start:#x}",

@@ -609,7 +609,9 @@ unsafe fn take_sample(info: *mut libc::siginfo_t, context: *mut c_void) {
     // have popped a register its unwind rule still reads from there (CFI
     // that says the frame pointer is saved at CFA - 16 after `pop rbp`).
     let copy_start = regs.sp.saturating_sub(RED_ZONE_BYTES).max(memory.stack.start);
-    let copy_words = ((memory.stack.end - copy_start) / 8) as usize;
+    let root_end = slot.copy_end.load(Ordering::Relaxed);
+    let copy_end = if root_end > regs.sp && root_end <= memory.stack.end { root_end } else { memory.stack.end };
+    let copy_words = ((copy_end - copy_start) / 8) as usize;
     if COPY_FIRST.load(Ordering::Relaxed) && copy_words <= STACK_COPY_WORDS {
         // The whole live stack, copied with streaming stores, costs less
         // than the walk's dependent cold reads: the agent walks the copy.

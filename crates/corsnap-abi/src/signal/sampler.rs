@@ -300,6 +300,7 @@ impl SignalSampler {
                 dropped_full: AtomicU64::new(0),
                 unknown_stack: AtomicU64::new(0),
                 runtime_thread: AtomicU64::new(runtime_thread),
+                copy_end: AtomicU64::new(0),
             })
         });
         // Mapped now, not at the handler's first touches (see `populate`).

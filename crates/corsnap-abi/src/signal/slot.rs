@@ -51,6 +51,12 @@ pub struct ThreadSlot {
     /// The runtime's object for this thread (its `ThreadID`), 0 if none is
     /// known: where a hijacked return address is kept.
     pub(super) runtime_thread: AtomicU64,
+    /// How far up the stack a copy for a deferred walk goes: a little past
+    /// the deepest root the agent's walks of this thread's copies reached
+    /// (0 while none has: then to the stack mapping's end, which on a
+    /// thread-pool thread holds its thread-local storage, about as much
+    /// again as the frames).
+    pub(super) copy_end: AtomicU64,
     /// Leaf stretches the handler's walks learned, for the agent to keep
     /// in the map's leaf table, which every thread's walks read.
     pub(super) learned: LearnedMailbox<4, LEARNED_STRETCHES>,
@@ -270,6 +276,21 @@ impl std::fmt::Debug for ThreadSlot {
 }
 
 impl ThreadSlot {
+    /// A walk of this thread's stack reached its root at stack pointer
+    /// `root_sp`: copies for deferred walks need go no further (with a
+    /// margin for the root frame's own words). A thread's root does not
+    /// move, so the deepest seen is kept.
+    pub fn note_stack_root(&self, root_sp: u64) {
+        self.copy_end.fetch_max(root_sp.saturating_add(ROOT_SLACK_BYTES), Ordering::Relaxed);
+    }
+
+    /// A walk of one of this thread's copies did not reach a root: perhaps
+    /// because the copy ended short of it. The next copies go to the
+    /// stack mapping's end until a walk reaches a root again.
+    pub fn forget_stack_root(&self) {
+        self.copy_end.store(0, Ordering::Relaxed);
+    }
+
     /// Keeps in `map`'s tables, for every thread's walks, what this
     /// thread's walks learned since the last call: leaf stretches and
     /// return addresses. On the agent's thread.
