@@ -7,7 +7,10 @@ threads: without a profiler, under corsnap's two engines at 100 Hz and
 
 - signal: the default engine (perf events where the kernel allows them);
   signal-timers: the same with POSIX CPU timers instead (--cpu-clock timer),
-  what a container without perf_event_open gets.
+  what a container without perf_event_open gets; signal-handler-walk: the
+  default engine with each stack walked in the signal handler, as before
+  copy-first sampling (CORSNAP_WALK_IN_HANDLER=1), so that what moving the
+  walk to the agent's thread costs the program shows beside it.
 - suspend: SuspendRuntime + DoStackSnapshot every tick, default pause budget.
 - suspend-only: the floor of any SuspendRuntime sampler: the agent suspends
   and resumes each tick and walks nothing (CORSNAP_BENCH_SUSPEND_ONLY=1).
@@ -54,6 +57,8 @@ def main():
             clock = ["--cpu-clock", "timer"] if engine == "signal-timers" else []
             if engine == "suspend-only":
                 e["CORSNAP_BENCH_SUSPEND_ONLY"] = "1"
+            if engine == "signal-handler-walk":
+                e["CORSNAP_WALK_IN_HANDLER"] = "1"
             pause = "100" if engine == "suspend-only" else "2"
             cmd = [corsnap, "record", "--stats", "--sampler", sampler, "-r", rate, "--max-pause", pause,
                    "-f", "collapsed", "-o", f"{scratch}/p.txt"] + clock + ["--"] + program
@@ -77,7 +82,8 @@ def main():
         return float(m.group(1)), cost
 
     configs = ["none", "signal@100", "signal-timers@100", "suspend@100", "suspend-only@100",
-               "signal@1000", "signal-timers@1000", "suspend@1000", "suspend-only@1000", "eventpipe"]
+               "signal@1000", "signal-handler-walk@1000", "signal-timers@1000", "suspend@1000", "suspend-only@1000",
+               "eventpipe"]
     results = {}
     for threads in [int(t) for t in args.threads.split(",")]:
         for rnd in range(args.rounds):

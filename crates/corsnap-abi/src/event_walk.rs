@@ -238,7 +238,13 @@ impl OwnStackCopy {
     /// `from_frame`.
     pub fn as_stack_copy(&self) -> crate::signal::StackCopy<'_> {
         let splice = self.splice.and_then(|(i, sp)| Some((i.checked_sub(self.from_frame)?, sp)));
-        crate::signal::StackCopy { regs: self.regs, start: self.regs.sp, words: &self.words, splice, from_leaf: self.from_leaf }
+        crate::signal::StackCopy {
+            regs: self.regs,
+            start: self.regs.sp,
+            words: &self.words,
+            splice,
+            from_leaf: self.from_leaf,
+        }
     }
 }
 

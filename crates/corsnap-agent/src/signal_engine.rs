@@ -133,6 +133,21 @@ struct RawOwned {
     stack: Option<OwnedStackCopy>,
 }
 
+impl RawOwned {
+    /// A drained sample kept with its stack copy (and `frames`, `flags` as
+    /// walked so far) to be walked again.
+    fn new(s: &signal::RawSample<'_>, frames: &[u64], flags: u32, copy: signal::StackCopy<'_>) -> RawOwned {
+        RawOwned {
+            weight_ns: s.weight_ns,
+            time_ns: s.time_ns,
+            handler_ns: s.handler_ns,
+            flags,
+            frames: frames.to_vec(),
+            stack: Some((copy.regs, copy.start, copy.words.to_vec(), copy.splice)),
+        }
+    }
+}
+
 /// An agent-side walk flag: the sample came with a stack copy (the handler
 /// met unknown code and copied the stack), whatever its walk again found.
 const COPIED: u32 = 1 << 31;
@@ -270,6 +285,10 @@ pub struct SignalEngine {
     pub rewalked: u64,
     /// Samples whose walk the handler left to the agent.
     pub deferred_walks: u64,
+    /// The agent's time in those walks.
+    deferred_walking: Duration,
+    /// The agent's time draining its rings (those walks included).
+    draining: Duration,
     /// Samples that came with a stack copy.
     stack_copies: u64,
     /// Samples that met code not known yet, with no room for their copy.
@@ -380,6 +399,8 @@ impl SignalEngine {
             rewalked: 0,
             stack_copies: 0,
             deferred_walks: 0,
+            deferred_walking: Duration::ZERO,
+            draining: Duration::ZERO,
             stack_copies_refused: 0,
             learned_at_compile: 0,
             learning_at_compile: Duration::ZERO,
@@ -608,12 +629,14 @@ impl SignalEngine {
             let c = signal::counters();
             log::write(format_args!("signal handler at the end: {}", HandlerTime::describe(&self.handler_times)));
             log::write(format_args!(
-                "signal engine stopped: {} samples ({} walked by the agent from a copy of the whole stack; {} walked again \
-                 from their stack copy, in {} walks); {} JIT bodies ({} as \
+                "signal engine stopped: {} samples ({} walked by the agent from a copy of the whole stack, in {:?}, of \
+                 {:?} draining; {} walked again from their stack copy, in {} walks); {} JIT bodies ({} as \
                  they were compiled, in {:?}, {} found by the runtime's code map, {} at the start it gave, {} map answers \
                  refused), {} stubs and {} images learned; {c:?}",
                 self.samples,
                 self.deferred_walks,
+                self.deferred_walking,
+                self.draining,
                 self.stack_copies,
                 self.rewalked,
                 self.learner.jit_bodies_learned,
@@ -629,91 +652,112 @@ impl SignalEngine {
     }
 
     fn drain_all(&mut self, sampler: &SignalSampler, out: &mut Vec<Sample>) {
+        let started = Instant::now();
         let slots: Vec<(u32, SlotId)> = self.threads.iter().map(|(&tid, t)| (tid, t.slot)).collect();
         let mut scratch = std::mem::take(&mut self.scratch);
+        let mut walked = vec![0u64; signal::MAX_FRAMES];
         for (tid, slot) in slots {
             let Some(slot) = sampler.slot(slot) else { continue };
             // What the handler's walks learned, for every thread's walks.
             slot.keep_learned(&self.map);
-            // Most samples are resolved straight from the ring; the few that
-            // carry a stack copy (they met code not known yet) are kept to be
-            // walked again after the rest.
+            // Most samples are walked (copy-first) or resolved straight from
+            // the ring; the few whose walk met code not known yet are kept,
+            // with their stack copy, to be walked again after the rest.
             let mut again: Vec<RawOwned> = Vec::new();
-            slot.drain(&mut scratch, |s| match s.stack {
-                // Asked for by walk verification: not part of the profile.
-                None if s.flags & signal::REQUESTED != 0 => {
-                    if let Some(sample) = self.resolve(tid, 0, s.time_ns, s.handler_ns, s.flags, s.frames) {
-                        self.samples -= 1;
-                        self.requested.push(sample);
+            slot.drain(&mut scratch, |s| {
+                let (frames, flags) = match s.stack {
+                    Some(copy) if s.flags & signal::DEFERRED != 0 => {
+                        let walk = self.walk_deferred(slot, &copy, &mut walked);
+                        let kept = s.flags & (signal::REQUESTED | signal::DEFERRED);
+                        let frames = &walked[..walk.len];
+                        if walk.flags & flags::UNKNOWN_CODE != 0 {
+                            again.push(RawOwned::new(&s, frames, walk.flags | kept, copy));
+                            return;
+                        }
+                        (frames, walk.flags | kept)
                     }
-                }
-                None => {
-                    // A walk through unknown code always builds a copy; with
-                    // none, the ring had no room for it.
-                    if s.flags & flags::UNKNOWN_CODE != 0 {
-                        self.stack_copies_refused += 1;
+                    Some(copy) => {
+                        again.push(RawOwned::new(&s, s.frames, s.flags, copy));
+                        return;
                     }
-                    if let Some(sample) = self.resolve(tid, s.weight_ns, s.time_ns, s.handler_ns, s.flags, s.frames) {
-                        out.push(sample);
+                    None => {
+                        // A walk through unknown code always builds a copy;
+                        // with none, the ring had no room for it.
+                        if s.flags & flags::UNKNOWN_CODE != 0 {
+                            self.stack_copies_refused += 1;
+                        }
+                        (s.frames, s.flags)
                     }
-                }
-                Some(copy) => again.push(RawOwned {
-                    weight_ns: s.weight_ns,
-                    time_ns: s.time_ns,
-                    handler_ns: s.handler_ns,
-                    flags: s.flags,
-                    frames: s.frames.to_vec(),
-                    stack: Some((copy.regs, copy.start, copy.words.to_vec(), copy.splice)),
-                }),
+                };
+                self.deliver(tid, s.weight_ns, s.time_ns, s.handler_ns, flags, frames, out);
             });
             for mut r in again {
-                let requested = r.flags & signal::REQUESTED != 0;
-                let deferred = r.flags & signal::DEFERRED != 0;
+                let kept = r.flags & (signal::REQUESTED | signal::DEFERRED);
                 if let Some((regs, start, words, splice)) = r.stack.take() {
-                    let copy = signal::StackCopy { regs, start, words: &words, splice, from_leaf: true };
-                    if deferred {
-                        // The handler left the walk to us: walked here, and
-                        // again like any copy if it met code not known yet.
-                        let mut out = vec![0u64; signal::MAX_FRAMES];
-                        let walk = signal::rewalk(&self.map, &copy, (&[], 0), &mut self.rewalk_cache, &mut out);
-                        out.truncate(walk.len);
-                        r.frames = out;
-                        r.flags = walk.flags;
-                        self.deferred_walks += 1;
-                        if walk.flags & (flags::COMPLETE | flags::SIGNAL_FRAME) == flags::COMPLETE {
-                            slot.note_stack_root(walk.sp);
-                        } else if walk.flags & flags::COMPLETE == 0 {
-                            slot.forget_stack_root();
-                        }
-                        if self.debug_walks && walk.flags & flags::COMPLETE == 0 {
-                            log::write(format_args!(
-                                "deferred walk not complete: flags {:#x}, {} frames, regs {:x?}, copy of {} words from {start:#x}",
-                                walk.flags,
-                                walk.len,
-                                regs,
-                                words.len()
-                            ));
-                        }
-                    }
-                    if !deferred || r.flags & flags::UNKNOWN_CODE != 0 {
-                        self.walk_again(&mut r, copy);
-                        r.flags |= COPIED;
-                    }
+                    self.walk_again(&mut r, signal::StackCopy { regs, start, words: &words, splice, from_leaf: true });
                 }
-                if requested {
-                    r.flags |= signal::REQUESTED;
-                }
-                if let Some(sample) = self.resolve(tid, r.weight_ns, r.time_ns, r.handler_ns, r.flags, &r.frames) {
-                    if requested {
-                        self.samples -= 1;
-                        self.requested.push(sample);
-                    } else {
-                        out.push(sample);
-                    }
-                }
+                r.flags |= COPIED | kept;
+                self.deliver(tid, r.weight_ns, r.time_ns, r.handler_ns, r.flags, &r.frames, out);
             }
         }
         self.scratch = scratch;
+        self.draining += started.elapsed();
+    }
+
+    /// Walks a sample whose handler copied the stack and left the walk to
+    /// us (copy-first), into `walked`; and tells the thread's slot where
+    /// the walk found the thread's root, so that its next copies end there.
+    fn walk_deferred(
+        &mut self,
+        slot: &signal::ThreadSlot,
+        copy: &signal::StackCopy<'_>,
+        walked: &mut [u64],
+    ) -> corsnap_unwind::Walk {
+        let started = Instant::now();
+        let walk = signal::rewalk(&self.map, copy, (&[], 0), &mut self.rewalk_cache, walked);
+        self.deferred_walking += started.elapsed();
+        self.deferred_walks += 1;
+        if walk.flags & (flags::COMPLETE | flags::SIGNAL_FRAME) == flags::COMPLETE {
+            slot.note_stack_root(walk.sp);
+        } else if walk.flags & flags::COMPLETE == 0 {
+            slot.forget_stack_root();
+            if self.debug_walks {
+                log::write(format_args!(
+                    "deferred walk not complete: flags {:#x}, {} frames, regs {:x?}, copy of {} words from {:#x}",
+                    walk.flags,
+                    walk.len,
+                    copy.regs,
+                    copy.words.len(),
+                    copy.start
+                ));
+            }
+        }
+        walk
+    }
+
+    /// A walked sample into the profile, or among the samples asked for by
+    /// walk verification (not part of the profile).
+    #[allow(clippy::too_many_arguments)]
+    fn deliver(
+        &mut self,
+        tid: u32,
+        weight_ns: u64,
+        time_ns: u64,
+        handler_ns: u64,
+        flags: u32,
+        frames: &[u64],
+        out: &mut Vec<Sample>,
+    ) {
+        let requested = flags & signal::REQUESTED != 0;
+        let weight_ns = if requested { 0 } else { weight_ns };
+        if let Some(sample) = self.resolve(tid, weight_ns, time_ns, handler_ns, flags, frames) {
+            if requested {
+                self.samples -= 1;
+                self.requested.push(sample);
+            } else {
+                out.push(sample);
+            }
+        }
     }
 
     /// Learns what the runtime compiled since the last round, between two

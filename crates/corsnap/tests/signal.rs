@@ -248,6 +248,68 @@ fn hijacked(runtime: Runtime) {
 
 on_each_runtime!(signal_walks_agree_with_do_stack_snapshot_taken_at_the_same_instant, verified);
 
+on_each_runtime!(the_handlers_own_walk_still_comes_back_whole_and_agrees_with_do_stack_snapshot, handler_walks);
+
+/// Copy-first sampling leaves the walk to the agent; the handler still walks
+/// where the copy cannot be made (a stack deeper than the copy pool's run, no
+/// run free). `CORSNAP_WALK_IN_HANDLER=1` makes it walk always: its chains
+/// are whole, and its walks, hijacks included, are the runtime's.
+fn handler_walks(runtime: Runtime) {
+    let in_handler = [("CORSNAP_WALK_IN_HANDLER", "1")];
+    let (stacks, _) = run(runtime, "chain", &["3"], &["-r", "400"], &in_handler);
+    assert_complete(&stacks, "Chain.Hot", &HOT_CHAIN, "walked in the handler");
+    assert_complete(&stacks, "Chain.Leaf", &OSR_CHAIN, "walked in the handler");
+    let dir = scratch(&format!("signal-handler-walk-verify-{runtime:?}"));
+    let out = dir.join("out.txt");
+    let output = record_with_env(
+        runtime,
+        "gcstop",
+        &["3"],
+        &["-f", "collapsed", "-o", out.to_str().unwrap()],
+        &[("CORSNAP_VERIFY_WALKS", "1"), in_handler[0]],
+        None,
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let v = support::walk_verification(&stderr, "gcstop, walked in the handler");
+    assert!(v.compared >= 8, "{}", v.line);
+    assert_eq!(v.identical, v.compared, "{}", v.line);
+}
+
+#[test]
+fn the_handler_copies_the_stack_and_the_agent_walks_it() {
+    // Copy-first is the default: nearly every sample of a program whose
+    // stacks fit the copy pool is walked by the agent (the handler walks
+    // only when no run of the pool is free).
+    for runtime in [Runtime::Net10, Runtime::Net8] {
+        let dir = scratch(&format!("copy-first-{runtime:?}"));
+        let log = dir.join("agent.log");
+        let out = dir.join("out.txt");
+        let output = record(
+            runtime,
+            "chain",
+            &["2"],
+            &["-f", "collapsed", "-o", out.to_str().unwrap(), "--agent-log", log.to_str().unwrap()],
+            None,
+        );
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        let log = std::fs::read_to_string(&log).unwrap();
+        let stopped = log.lines().find(|l| l.contains("signal engine stopped")).unwrap_or_else(|| panic!("{log}"));
+        // "signal engine stopped: {samples} samples ({deferred} walked by the agent ..."
+        let numbers: Vec<u64> = stopped
+            .split("stopped: ")
+            .nth(1)
+            .unwrap()
+            .split(|c: char| !c.is_ascii_digit())
+            .filter(|w| !w.is_empty())
+            .take(2)
+            .map(|w| w.parse().unwrap())
+            .collect();
+        let (samples, deferred) = (numbers[0], numbers[1]);
+        assert!(samples > 100 && deferred * 100 >= samples * 95, "{runtime:?}: {stopped}");
+    }
+}
+
 fn verified(runtime: Runtime) {
     // CORSNAP_VERIFY_WALKS=1: four times a second the runtime is suspended,
     // every managed thread takes a signal-engine sample where it stands, and
