@@ -4,7 +4,7 @@
 use std::ffi::c_void;
 use std::ptr::NonNull;
 
-use crate::{check, hr, HResult, MdToken, HRESULT};
+use crate::{check, HResult, MdToken, HRESULT};
 
 /// Slot numbers from `cor.h` (IUnknown is 0..2; IMetaDataImport has 62
 /// methods, IMetaDataImport2 follows at 65).
@@ -167,27 +167,12 @@ impl MetaDataImport {
     /// interface (`IEnumerator<int>`, a `TypeSpec`) is left out: its name
     /// would need its signature read. At most 64 interfaces are read.
     pub fn interface_names(&self, type_def: MdToken) -> HResult<Vec<String>> {
-        type Enum =
-            unsafe extern "C" fn(*mut c_void, *mut *mut c_void, MdToken, *mut MdToken, u32, *mut u32) -> HRESULT;
         type ImplProps = unsafe extern "C" fn(*mut c_void, MdToken, *mut MdToken, *mut MdToken) -> HRESULT;
-        type Close = unsafe extern "C" fn(*mut c_void, *mut c_void);
         let mut impls = [0u32; 64];
-        let mut count = 0u32;
-        let mut henum: *mut c_void = std::ptr::null_mut();
-        // SAFETY: EnumInterfaceImpls then CloseEnum on the same HCORENUM.
-        let hr = unsafe {
-            let enumerate: Enum = self.method(slot::ENUM_INTERFACE_IMPLS);
-            let hr =
-                enumerate(self.this.as_ptr(), &mut henum, type_def, impls.as_mut_ptr(), impls.len() as u32, &mut count);
-            if !henum.is_null() {
-                let close: Close = self.method(slot::CLOSE_ENUM);
-                close(self.this.as_ptr(), henum);
-            }
-            hr
-        };
-        check(hr)?;
+        // SAFETY: EnumInterfaceImpls has the shape `enumerate` calls.
+        let count = unsafe { self.enumerate(slot::ENUM_INTERFACE_IMPLS, type_def, &mut impls) }?;
         let mut names = Vec::new();
-        for &implementation in &impls[..(count as usize).min(impls.len())] {
+        for &implementation in &impls[..count] {
             let (mut class, mut interface) = (0u32, 0u32);
             // SAFETY: GetInterfaceImplProps.
             unsafe {
@@ -216,6 +201,32 @@ impl MetaDataImport {
         Ok(utf16_until_nul(&buf[..(len as usize).min(buf.len())]))
     }
 
+    /// Calls an `Enum…(HCORENUM*, owner, tokens[], max, count*)` method
+    /// once, into `tokens`, and closes its enumerator: how many tokens it
+    /// gave (none with `S_FALSE`).
+    ///
+    /// # Safety
+    /// `slot` must be such a method of this interface.
+    unsafe fn enumerate(&self, slot: usize, owner: MdToken, tokens: &mut [MdToken]) -> HResult<usize> {
+        type Enum =
+            unsafe extern "C" fn(*mut c_void, *mut *mut c_void, MdToken, *mut MdToken, u32, *mut u32) -> HRESULT;
+        type Close = unsafe extern "C" fn(*mut c_void, *mut c_void);
+        let mut count = 0u32;
+        let mut henum: *mut c_void = std::ptr::null_mut();
+        // SAFETY: per the caller, then CloseEnum on the same HCORENUM.
+        let hr = unsafe {
+            let enumerate: Enum = self.method(slot);
+            let hr =
+                enumerate(self.this.as_ptr(), &mut henum, owner, tokens.as_mut_ptr(), tokens.len() as u32, &mut count);
+            if !henum.is_null() {
+                let close: Close = self.method(slot::CLOSE_ENUM);
+                close(self.this.as_ptr(), henum);
+            }
+            hr
+        };
+        check(hr).map(|_| (count as usize).min(tokens.len()))
+    }
+
     /// The type a nested type is declared in.
     pub fn get_enclosing_class(&self, nested: MdToken) -> HResult<MdToken> {
         type F = unsafe extern "C" fn(*mut c_void, MdToken, *mut MdToken) -> HRESULT;
@@ -234,8 +245,6 @@ impl MetaDataImport {
         if !self.has_generics {
             return Ok(Vec::new());
         }
-        type Enum =
-            unsafe extern "C" fn(*mut c_void, *mut *mut c_void, MdToken, *mut MdToken, u32, *mut u32) -> HRESULT;
         type Props = unsafe extern "C" fn(
             *mut c_void,
             MdToken,
@@ -247,24 +256,11 @@ impl MetaDataImport {
             u32,
             *mut u32,
         ) -> HRESULT;
-        type Close = unsafe extern "C" fn(*mut c_void, *mut c_void);
         let mut params = [0u32; 64];
-        let mut count = 0u32;
-        let mut henum: *mut c_void = std::ptr::null_mut();
-        // SAFETY: EnumGenericParams then CloseEnum on the same HCORENUM.
-        let hr = unsafe {
-            let enumerate: Enum = self.method(slot::ENUM_GENERIC_PARAMS);
-            let hr =
-                enumerate(self.this.as_ptr(), &mut henum, owner, params.as_mut_ptr(), params.len() as u32, &mut count);
-            if !henum.is_null() {
-                let close: Close = self.method(slot::CLOSE_ENUM);
-                close(self.this.as_ptr(), henum);
-            }
-            hr
-        };
-        check(hr)?;
-        let mut names = Vec::with_capacity(count as usize);
-        for &param in &params[..(count as usize).min(params.len())] {
+        // SAFETY: EnumGenericParams has the shape `enumerate` calls.
+        let count = unsafe { self.enumerate(slot::ENUM_GENERIC_PARAMS, owner, &mut params) }?;
+        let mut names = Vec::with_capacity(count);
+        for &param in &params[..count] {
             let mut buf = [0u16; 256];
             let (mut seq, mut flags, mut owner_out, mut reserved, mut len) = (0u32, 0u32, 0u32, 0u32, 0u32);
             // SAFETY: GetGenericParamProps.
@@ -283,9 +279,6 @@ impl MetaDataImport {
                 ))?;
             }
             names.push(utf16_until_nul(&buf[..(len as usize).min(buf.len())]));
-        }
-        if hr == hr::S_FALSE && names.is_empty() {
-            return Ok(Vec::new());
         }
         Ok(names)
     }

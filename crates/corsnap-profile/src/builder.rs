@@ -647,6 +647,17 @@ mod tests {
         );
     }
 
+    /// Each sample's stack as shown, root first.
+    fn shown_stacks(p: &Profile) -> Vec<String> {
+        p.samples
+            .iter()
+            .map(|s| {
+                let frames = p.stacks[s.stack as usize].iter().rev();
+                frames.map(|&f| p.frames[f as usize].display_name().into_owned()).collect::<Vec<_>>().join(";")
+            })
+            .collect()
+    }
+
     #[test]
     fn a_state_machine_is_named_by_what_calls_it() {
         let mut b = ProfileBuilder::new();
@@ -666,14 +677,7 @@ mod tests {
         b.add_sample(3, 1, false, &[0x50, 0x20, 0x30, 0x40, 0x10], 1);
         b.add_sample(4, 1, false, &[0x50], 1);
         let p = b.finish();
-        let shown: Vec<String> = p
-            .samples
-            .iter()
-            .map(|s| {
-                let frames = p.stacks[s.stack as usize].iter().rev();
-                frames.map(|&f| p.frames[f as usize].display_name().into_owned()).collect::<Vec<_>>().join(";")
-            })
-            .collect();
+        let shown = shown_stacks(&p);
         assert_eq!(
             shown,
             [
@@ -709,14 +713,7 @@ mod tests {
         b.add_sample(1, 1, false, &[0x20, 0x10], 1);
         b.add_sample(2, 1, false, &[0x50], 1);
         let p = b.finish();
-        let shown: Vec<String> = p
-            .samples
-            .iter()
-            .map(|s| {
-                let frames = p.stacks[s.stack as usize].iter().rev();
-                frames.map(|&f| p.frames[f as usize].display_name().into_owned()).collect::<Vec<_>>().join(";")
-            })
-            .collect();
+        let shown = shown_stacks(&p);
         assert_eq!(shown, ["Shop.Program.Main;Shop.Orders.HandleAsync [async]", "Shop.Repo.Items [iterator]"]);
     }
 
