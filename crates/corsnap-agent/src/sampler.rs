@@ -477,9 +477,22 @@ impl SamplerLoop {
         }
         let Some(signal) = self.signal.as_mut() else { return true };
         signal.collect(&mut self.recorder, false);
-        let ours: HashMap<u32, Vec<u64>> = signal
-            .engine
-            .take_requested()
+        let requested = signal.engine.take_requested();
+        // What a mismatch's log line says of our whole walk: its frames, how
+        // many native, and how it ended.
+        let walked: HashMap<u32, String> = requested
+            .iter()
+            .map(|s| {
+                let native = s.frames.iter().filter(|&&f| f & corsnap_wire::NATIVE_FRAME_BIT != 0).count();
+                let ending = match s.frames.last() {
+                    Some(&crate::signal_engine::INCOMPLETE_KEY) => "incomplete",
+                    _ if s.truncated => "truncated",
+                    _ => "whole",
+                };
+                (s.os_tid, format!("{} frames, {native} native, {ending}: {:x?}", s.frames.len(), s.frames))
+            })
+            .collect();
+        let ours: HashMap<u32, Vec<u64>> = requested
             .into_iter()
             .map(|s| (s.os_tid, s.frames.into_iter().filter(|f| f & corsnap_wire::NATIVE_FRAME_BIT == 0).collect()))
             .collect();
@@ -526,8 +539,11 @@ impl SamplerLoop {
                 let ours: Vec<String> = ours.iter().map(&mut name).collect();
                 let truth: Vec<String> = truth.iter().map(&mut name).collect();
                 log::write(format_args!(
-                    "walk verification, thread {}: signal walk {:?} but DoStackSnapshot {:?}",
-                    record.os_tid, ours, truth
+                    "walk verification, thread {}: signal walk {:?} but DoStackSnapshot {:?} (our walk: {})",
+                    record.os_tid,
+                    ours,
+                    truth,
+                    walked.get(&record.os_tid).map_or("", String::as_str)
                 ));
             }
         }

@@ -285,6 +285,8 @@ pub struct SignalEngine {
     pub rewalked: u64,
     /// Samples whose walk the handler left to the agent.
     pub deferred_walks: u64,
+    /// Of those, walks that ended at their thread's start.
+    deferred_at_root: u64,
     /// The agent's time in those walks.
     deferred_walking: Duration,
     /// The agent's time draining its rings (those walks included).
@@ -399,6 +401,7 @@ impl SignalEngine {
             rewalked: 0,
             stack_copies: 0,
             deferred_walks: 0,
+            deferred_at_root: 0,
             deferred_walking: Duration::ZERO,
             draining: Duration::ZERO,
             stack_copies_refused: 0,
@@ -630,13 +633,14 @@ impl SignalEngine {
             log::write(format_args!("signal handler at the end: {}", HandlerTime::describe(&self.handler_times)));
             log::write(format_args!(
                 "signal engine stopped: {} samples ({} walked by the agent from a copy of the whole stack, in {:?}, of \
-                 {:?} draining; {} walked again from their stack copy, in {} walks); {} JIT bodies ({} as \
+                 {:?} draining, {} of them to the thread's start; {} walked again from their stack copy, in {} walks); {} JIT bodies ({} as \
                  they were compiled, in {:?}, {} found by the runtime's code map, {} at the start it gave, {} map answers \
                  refused), {} stubs and {} images learned; {c:?}",
                 self.samples,
                 self.deferred_walks,
                 self.deferred_walking,
                 self.draining,
+                self.deferred_at_root,
                 self.stack_copies,
                 self.rewalked,
                 self.learner.jit_bodies_learned,
@@ -717,7 +721,17 @@ impl SignalEngine {
         let walk = signal::rewalk(&self.map, copy, (&[], 0), &mut self.rewalk_cache, walked);
         self.deferred_walking += started.elapsed();
         self.deferred_walks += 1;
-        if walk.flags & (flags::COMPLETE | flags::SIGNAL_FRAME) == flags::COMPLETE {
+        // A root is learned only from a walk that ended where the unwind
+        // information says the thread starts, through no guess and no
+        // signal frame (another stack). A walk that ended complete anywhere
+        // else (a runtime stub's return address guessed from a word that
+        // pointed into code, a zero return address) once set copies' end
+        // in the middle of a thread's stack, and walks of the copies that
+        // followed were lost before their managed frames.
+        let at_root = flags::COMPLETE | flags::END_OF_STACK;
+        let guessed = flags::UNKNOWN_CODE | flags::SIGNAL_FRAME;
+        if walk.flags & (at_root | guessed) == at_root {
+            self.deferred_at_root += 1;
             slot.note_stack_root(walk.sp);
         } else if walk.flags & flags::COMPLETE == 0 {
             slot.forget_stack_root();

@@ -111,6 +111,11 @@ pub mod flags {
     /// [`walk_until`](super::walk_until) reached the frame it was to stop
     /// at (which is not in the output).
     pub const REACHED: u32 = 1 << 6;
+    /// With [`COMPLETE`]: the walk ended where the unwind information says
+    /// nothing called the frame (the thread's start, `clone3` or `_start`),
+    /// not on a frame a guess or a remembered walk led to: the stack pointer
+    /// it ended at is the thread's root.
+    pub const END_OF_STACK: u32 = 1 << 7;
 }
 
 /// The three registers a walk needs on x64.
@@ -1118,6 +1123,7 @@ pub fn walk_from<M: Memory>(
         // the return address undefined): the walk ends, with no row or
         // module looked up.
         let outermost = !exact && native_hit && hit.is_some_and(|h| h.rule.is_outermost());
+        let mut end_of_stack = outermost;
         // A return address no table knew, in native code: its module's
         // granule, as for a leaf (see [`native_leaves`]).
         let by_granule = match (hit, &by_leaf_rule) {
@@ -1228,6 +1234,7 @@ pub fn walk_from<M: Memory>(
             native_frame = true;
             let module = map.natives.get(h.entry as usize).filter(|m| m.code.contains(&lookup));
             let (step, rule) = native_frame_step(map, module, mem, regs, exact, len == 1, cache);
+            end_of_stack |= matches!(rule, Some(RowRule::EndOfStack));
             if let Some(kept) = rule.filter(|_| !exact && !h.rule.is_known()).and_then(|r| r.kept()) {
                 cache.learn(map.lineage, KnownAddress::new(lookup, h.entry, kept, true));
             }
@@ -1239,6 +1246,7 @@ pub fn walk_from<M: Memory>(
             let module = map.natives.get(index);
             native_frame = true;
             let (step, rule) = native_frame_step(map, module, mem, regs, exact, len == 1, cache);
+            end_of_stack |= matches!(rule, Some(RowRule::EndOfStack));
             // For a native frame, `entry` is its module; the rule is its
             // row's. A return address only: an exact address is seldom met
             // again (its row is kept in the leaf stretches), and would take
@@ -1284,6 +1292,9 @@ pub fn walk_from<M: Memory>(
             }
             Step::Done => {
                 flags |= flags::COMPLETE;
+                if end_of_stack {
+                    flags |= flags::END_OF_STACK;
+                }
                 break;
             }
         }
