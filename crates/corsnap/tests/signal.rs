@@ -289,7 +289,7 @@ fn the_handler_copies_the_stack_and_the_agent_walks_it() {
             runtime,
             "chain",
             &["2"],
-            &["-f", "collapsed", "-o", out.to_str().unwrap(), "--agent-log", log.to_str().unwrap()],
+            &["-r", "400", "-f", "collapsed", "-o", out.to_str().unwrap(), "--agent-log", log.to_str().unwrap()],
             None,
         );
         assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
@@ -314,7 +314,7 @@ fn the_handler_copies_the_stack_and_the_agent_walks_it() {
         let at_root = number_before(" of them to the thread's start");
         // The walks find each thread's start, where its next copies end.
         assert!(at_root * 100 >= deferred * 90, "{runtime:?}: {stopped}");
-        assert!(samples > 100 && deferred * 100 >= samples * 95, "{runtime:?}: {stopped}");
+        assert!(samples >= 50 && deferred * 100 >= samples * 95, "{runtime:?}: {stopped}");
     }
 }
 
