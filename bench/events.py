@@ -46,6 +46,7 @@ WORKLOADS = {
 LABELS = {
     "record": "records (native walker)",
     "record-snapshot": "records (`--walker snapshot`)",
+    "record-eventpipe": "records, throws from EventPipe (`CORSNAP_EXCEPTION_HOOK=0`)",
     "monitor": "floor: callbacks only",
     "walk": "floor: callbacks + native walk",
     "walk-snapshot": "floor: callbacks + DoStackSnapshot",
@@ -53,9 +54,12 @@ LABELS = {
     "eventpipe-walk": "floor: EventPipe's ExceptionThrown + native walk",
     "firstchance": "floor: no profiler, an empty FirstChanceException handler",
     "firstchance-walk": "floor: a FirstChanceException handler calling the agent's native walk",
+    "hook": "floor: the dispatch hook's call only (.NET 9+)",
+    "hook-walk": "floor: the dispatch hook's call + native walk (.NET 9+)",
     "session": "floor: the runtime's allocation events only",
     "cpu": "`-e cpu -e exceptions`, native",
     "cpu-snapshot": "`-e cpu -e exceptions`, snapshot",
+    "cpu-eventpipe": "`-e cpu -e exceptions`, native, throws from EventPipe (`CORSNAP_EXCEPTION_HOOK=0`)",
 }
 
 
@@ -120,8 +124,8 @@ def main():
     def modes(workload):
         if WORKLOADS[workload][0] == "exceptions":
             floors = ["monitor", "walk", "walk-snapshot", "eventpipe", "eventpipe-walk", "firstchance",
-                      "firstchance-walk"]
-            extra = ["cpu", "cpu-snapshot"] if workload == "validate" else []
+                      "firstchance-walk", "hook", "hook-walk", "record-eventpipe"]
+            extra = ["cpu", "cpu-snapshot", "cpu-eventpipe"] if workload == "validate" else []
         else:
             floors, extra = ["session"], []
         every = ["none", "record", "record-snapshot"] + (floors if args.floors else []) + extra
@@ -165,6 +169,10 @@ def main():
                 e["DOTNET_STARTUP_HOOKS"] = os.path.join(os.path.dirname(dll), "firstchance_hook.dll")
             elif mode.startswith("walk"):
                 e["CORSNAP_BENCH_EXCEPTIONS"] = "walk"
+            elif mode.startswith("hook"):
+                e["CORSNAP_BENCH_EXCEPTIONS"] = mode
+            elif mode in ("record-eventpipe", "cpu-eventpipe"):
+                e["CORSNAP_EXCEPTION_HOOK"] = "0"
             elif mode == "monitor":
                 e["CORSNAP_BENCH_EXCEPTIONS"] = "monitor"
         r = subprocess.run(cmd, env=e, capture_output=True, text=True)

@@ -11,10 +11,11 @@
 use std::ffi::c_void;
 use std::mem::offset_of;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::info::CorProfilerInfo;
-use crate::{hr, iid, ClassID, FunctionID, Guid, ModuleID, ObjectID, ThreadID, HRESULT};
+use crate::{hr, iid, ClassID, FunctionID, Guid, HResult, MdToken, ModuleID, ObjectID, ThreadID, HRESULT};
 
 /// A slot corsnap does not implement.
 pub type Ignored = unsafe extern "C" fn(*mut c_void) -> HRESULT;
@@ -49,6 +50,11 @@ pub trait ProfilerCallbacks: Send + Sync + Sized + 'static {
     fn thread_assigned_to_os_thread(&self, _thread: ThreadID, _os_tid: u32) {}
     fn thread_name_changed(&self, _thread: ThreadID, _name: &[u16]) {}
     fn exception_thrown(&self, _object: ObjectID) {}
+    /// The runtime compiles `method` again, as asked by `RequestReJIT`: the
+    /// body to compile goes to `control` (no body: the original IL).
+    fn get_rejit_parameters(&self, _module: ModuleID, _method: MdToken, _control: FunctionControl) {}
+    /// A method asked to be compiled again could not be.
+    fn rejit_error(&self, _module: ModuleID, _method: MdToken, _status: HRESULT) {}
     fn garbage_collection_started(&self, _generations: &[bool], _reason: u32) {}
     fn garbage_collection_finished(&self) {}
     /// An event of our in-process EventPipe session (Callback10), with the
@@ -61,6 +67,27 @@ pub trait ProfilerCallbacks: Send + Sync + Sized + 'static {
         _thread: ThreadID,
         _stack: &[usize],
     ) {
+    }
+}
+
+/// `ICorProfilerFunctionControl`, good for one `GetReJITParameters` call.
+#[derive(Debug, Clone, Copy)]
+pub struct FunctionControl(NonNull<c_void>);
+
+impl FunctionControl {
+    /// Slot 4 (after IUnknown's three and `SetCodegenFlags`).
+    const SET_IL_FUNCTION_BODY: usize = 4;
+
+    /// The body (header first) the runtime compiles; it copies it.
+    pub fn set_il_function_body(&self, body: &[u8]) -> HResult<()> {
+        type F = unsafe extern "C" fn(*mut c_void, u32, *const u8) -> HRESULT;
+        // SAFETY: SetILFunctionBody(ULONG, LPCBYTE) on the live control
+        // object the runtime passed; the body outlives the call.
+        unsafe {
+            let vtbl = *(self.0.as_ptr() as *const *const *const c_void);
+            let f = std::mem::transmute_copy::<*const c_void, F>(&*vtbl.add(Self::SET_IL_FUNCTION_BODY));
+            crate::check(f(self.0.as_ptr(), body.len() as u32, body.as_ptr()))
+        }
     }
 }
 
@@ -232,11 +259,11 @@ pub struct CallbackVtbl {
     /// slot 83: `ReJITCompilationStarted`
     pub re_jit_compilation_started: Ignored,
     /// slot 84: `GetReJITParameters`
-    pub get_re_jit_parameters: Ignored,
+    pub get_re_jit_parameters: unsafe extern "C" fn(*mut c_void, ModuleID, MdToken, *mut c_void) -> HRESULT,
     /// slot 85: `ReJITCompilationFinished`
     pub re_jit_compilation_finished: Ignored,
     /// slot 86: `ReJITError`
-    pub re_jit_error: Ignored,
+    pub re_jit_error: unsafe extern "C" fn(*mut c_void, ModuleID, MdToken, FunctionID, HRESULT) -> HRESULT,
     /// slot 87: `MovedReferences2`
     pub moved_references2: Ignored,
     /// slot 88: `SurvivingReferences2`
@@ -294,6 +321,8 @@ const _: () = {
     assert!(offset_of!(CallbackVtbl, profiler_attach_complete) == 81 * 8);
     assert!(offset_of!(CallbackVtbl, profiler_detach_succeeded) == 82 * 8);
     assert!(offset_of!(CallbackVtbl, load_as_notification_only) == 97 * 8);
+    assert!(offset_of!(CallbackVtbl, get_re_jit_parameters) == 84 * 8);
+    assert!(offset_of!(CallbackVtbl, re_jit_error) == 86 * 8);
     assert!(offset_of!(CallbackVtbl, event_pipe_event_delivered) == 95 * 8);
 };
 
@@ -394,9 +423,9 @@ impl<T: ProfilerCallbacks> VtableFor<T> {
         profiler_attach_complete: tramp::profiler_attach_complete::<T>,
         profiler_detach_succeeded: tramp::profiler_detach_succeeded::<T>,
         re_jit_compilation_started: tramp::ignored,
-        get_re_jit_parameters: tramp::ignored,
+        get_re_jit_parameters: tramp::get_re_jit_parameters::<T>,
         re_jit_compilation_finished: tramp::ignored,
-        re_jit_error: tramp::ignored,
+        re_jit_error: tramp::re_jit_error::<T>,
         moved_references2: tramp::ignored,
         surviving_references2: tramp::ignored,
         conditional_weak_table_element_references: tramp::ignored,
@@ -545,6 +574,22 @@ mod tramp {
     simple!(thread_destroyed(t: ThreadID) => |p| p.thread_destroyed(t));
     simple!(thread_assigned_to_os_thread(t: ThreadID, os: u32) => |p| p.thread_assigned_to_os_thread(t, os));
     simple!(exception_thrown(o: ObjectID) => |p| p.exception_thrown(o));
+    simple!(re_jit_error(m: ModuleID, t: MdToken, _f: FunctionID, s: HRESULT) => |p| p.rejit_error(m, t, s));
+
+    pub unsafe extern "C" fn get_re_jit_parameters<T: ProfilerCallbacks>(
+        this: *mut c_void,
+        module: ModuleID,
+        method: MdToken,
+        control: *mut c_void,
+    ) -> HRESULT {
+        unit(|| {
+            if let Some(control) = NonNull::new(control) {
+                // SAFETY: see `object`; the runtime's control object is valid
+                // for the call.
+                unsafe { object::<T>(this) }.inner.get_rejit_parameters(module, method, FunctionControl(control))
+            }
+        })
+    }
 
     #[allow(clippy::too_many_arguments)]
     pub unsafe extern "C" fn event_pipe_event_delivered<T: ProfilerCallbacks>(

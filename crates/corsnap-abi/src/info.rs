@@ -24,6 +24,9 @@ mod slot {
     pub const GET_MODULE_INFO: usize = 20;
     pub const GET_MODULE_METADATA: usize = 21;
     pub const FORCE_GC: usize = 28;
+    pub const GET_IL_FUNCTION_BODY: usize = 22;
+    pub const REQUEST_REJIT: usize = 73;
+    pub const REQUEST_REVERT: usize = 74;
     pub const GET_IL_TO_NATIVE_MAPPING: usize = 35;
     pub const DO_STACK_SNAPSHOT: usize = 36;
     pub const GET_FUNCTION_INFO2: usize = 38;
@@ -51,6 +54,9 @@ const _: () = {
     assert!(slot::GET_IL_TO_NATIVE_MAPPING3 == INFO_VTABLE_LEN[7] + 1); // second of Info9
     assert!(slot::ENUM_JITED_FUNCTIONS == INFO_VTABLE_LEN[1]); // first of Info3
     assert!(slot::ENUM_THREADS == INFO_VTABLE_LEN[2]); // first of Info4
+    assert!(slot::REQUEST_REJIT == INFO_VTABLE_LEN[2] + 2); // third and fourth of Info4
+    assert!(slot::REQUEST_REVERT == INFO_VTABLE_LEN[2] + 3);
+    assert!(slot::GET_IL_FUNCTION_BODY == slot::GET_MODULE_METADATA + 1);
     assert!(slot::SET_EVENT_MASK2 == INFO_VTABLE_LEN[3] + 1); // second of Info5
     assert!(slot::GET_NATIVE_CODE_START_ADDRESSES == INFO_VTABLE_LEN[7]); // first of Info9
     assert!(slot::SUSPEND_RUNTIME == INFO_VTABLE_LEN[9] - 2); // last two of Info10
@@ -488,6 +494,61 @@ impl CorProfilerInfo {
             }
         }
         Err(HResultError(hr::E_NOINTERFACE))
+    }
+
+    /// Opens a module's metadata for writing (`IMetaDataEmit`).
+    pub fn get_module_metadata_for_emit(&self, module: ModuleID) -> HResult<crate::MetaDataEmit> {
+        type F = unsafe extern "C" fn(*mut c_void, ModuleID, u32, *const Guid, *mut *mut c_void) -> HRESULT;
+        const OF_READ_WRITE: u32 = 1;
+        let mut out = std::ptr::null_mut();
+        // SAFETY: GetModuleMetaData(ModuleID, DWORD, REFIID, IUnknown**).
+        unsafe {
+            let f: F = self.method(slot::GET_MODULE_METADATA)?;
+            check(f(self.raw(), module, OF_READ_WRITE, &iid::IMETADATAEMIT, &mut out))?;
+        }
+        let ptr = NonNull::new(out).ok_or(HResultError(hr::E_POINTER))?;
+        // SAFETY: a fresh reference to the interface we asked for.
+        Ok(unsafe { crate::MetaDataEmit::from_raw(ptr) })
+    }
+
+    /// A method's IL body as the module holds it (header first), copied.
+    pub fn get_il_function_body(&self, module: ModuleID, method: MdToken) -> HResult<Vec<u8>> {
+        type F = unsafe extern "C" fn(*mut c_void, ModuleID, MdToken, *mut *const u8, *mut u32) -> HRESULT;
+        let (mut body, mut size) = (std::ptr::null(), 0u32);
+        // SAFETY: GetILFunctionBody(ModuleID, mdMethodDef, LPCBYTE*, ULONG*);
+        // the body lives as long as the module, and is copied at once.
+        unsafe {
+            let f: F = self.method(slot::GET_IL_FUNCTION_BODY)?;
+            check(f(self.raw(), module, method, &mut body, &mut size))?;
+            if body.is_null() {
+                return Err(HResultError(hr::E_POINTER));
+            }
+            Ok(std::slice::from_raw_parts(body, size as usize).to_vec())
+        }
+    }
+
+    /// Asks the runtime to compile `method` of `module` again, with the body
+    /// the profiler gives in `GetReJITParameters` (Info4). Suspends the
+    /// runtime: never from a callback.
+    pub fn request_rejit(&self, module: ModuleID, method: MdToken) -> HResult<()> {
+        type F = unsafe extern "C" fn(*mut c_void, u32, *const ModuleID, *const MdToken) -> HRESULT;
+        // SAFETY: RequestReJIT(ULONG, ModuleID[], mdMethodDef[]).
+        unsafe {
+            let f: F = self.method(slot::REQUEST_REJIT)?;
+            check(f(self.raw(), 1, &module, &method))
+        }
+    }
+
+    /// Puts `method` of `module` back to its original code (Info4).
+    pub fn request_revert(&self, module: ModuleID, method: MdToken) -> HResult<()> {
+        type F = unsafe extern "C" fn(*mut c_void, u32, *const ModuleID, *const MdToken, *mut HRESULT) -> HRESULT;
+        let mut status: HRESULT = 0;
+        // SAFETY: RequestRevert(ULONG, ModuleID[], mdMethodDef[], HRESULT[]).
+        unsafe {
+            let f: F = self.method(slot::REQUEST_REVERT)?;
+            check(f(self.raw(), 1, &module, &method, &mut status))?;
+        }
+        check(status)
     }
 
     /// Walks a thread's managed stack, calling `visit` per frame, leaf first.

@@ -20,16 +20,18 @@ mod callback;
 pub mod event_walk;
 pub mod first_chance;
 pub mod hot_memory;
+pub mod il;
 mod info;
 mod metadata;
 mod native_thread;
 pub mod os;
 pub mod process;
 pub mod signal;
+pub mod throw_hook;
 
-pub use callback::{class_factory_for, guard, ProfilerCallbacks, CALLBACK_VTABLE_SLOTS};
+pub use callback::{class_factory_for, guard, FunctionControl, ProfilerCallbacks, CALLBACK_VTABLE_SLOTS};
 pub use info::{il_map, CorProfilerInfo, IlToNativeMap, RuntimeInfo, SnapshotVisit};
-pub use metadata::{MetaDataImport, MethodProps, TypeDefProps};
+pub use metadata::{MetaDataEmit, MetaDataImport, MethodProps, TypeDefProps};
 pub use native_thread::{
     current_os_tid, current_uid, peer_credentials, send_all, thread_cpu_time_ns, thread_hash, NativeThread,
     StripedCounter,
@@ -170,6 +172,7 @@ pub mod iid {
     ];
     pub const IMETADATAIMPORT: Guid = Guid::parse("7DAC8207-D3AE-4c75-9B67-92801A497D44");
     pub const IMETADATAIMPORT2: Guid = Guid::parse("FCE5EFA0-8BBA-4f8e-A036-8F2022B08466");
+    pub const IMETADATAEMIT: Guid = Guid::parse("BA3FEE4C-ECB9-4e41-83B7-183FA41CD859");
 }
 
 /// HRESULTs the runtime hands us, with names for the ones corsnap explains.
@@ -202,13 +205,13 @@ pub mod hr {
     pub const CORPROF_E_ASYNCHRONOUS_UNSAFE: HRESULT = 0x8013_1364_u32 as i32;
     pub const CORPROF_E_PROFILER_DETACHING: HRESULT = 0x8013_1367_u32 as i32;
     pub const CORPROF_E_PROFILER_NOT_ATTACHABLE: HRESULT = 0x8013_1368_u32 as i32;
-    pub const CORPROF_E_UNSUPPORTED_FOR_ATTACHING_PROFILER: HRESULT = 0x8013_1369_u32 as i32;
+    pub const CORPROF_E_UNSUPPORTED_FOR_ATTACHING_PROFILER: HRESULT = 0x8013_136F_u32 as i32;
     pub const CORPROF_E_PROFILER_ALREADY_ACTIVE: HRESULT = 0x8013_136A_u32 as i32;
     pub const CORPROF_E_CALLBACK3_REQUIRED: HRESULT = 0x8013_136E_u32 as i32;
-    pub const CORPROF_E_IRREVERSIBLE_INSTRUMENTATION_PRESENT: HRESULT = 0x8013_136F_u32 as i32;
-    pub const CORPROF_E_RUNTIME_UNINITIALIZED: HRESULT = 0x8013_1370_u32 as i32;
-    pub const CORPROF_E_IMMUTABLE_FLAGS_SET: HRESULT = 0x8013_1371_u32 as i32;
-    pub const CORPROF_E_PROFILER_NOT_YET_INITIALIZED: HRESULT = 0x8013_1372_u32 as i32;
+    pub const CORPROF_E_IRREVERSIBLE_INSTRUMENTATION_PRESENT: HRESULT = 0x8013_1370_u32 as i32;
+    pub const CORPROF_E_RUNTIME_UNINITIALIZED: HRESULT = 0x8013_1371_u32 as i32;
+    pub const CORPROF_E_IMMUTABLE_FLAGS_SET: HRESULT = 0x8013_1372_u32 as i32;
+    pub const CORPROF_E_PROFILER_NOT_YET_INITIALIZED: HRESULT = 0x8013_1373_u32 as i32;
     pub const CORPROF_E_INCONSISTENT_WITH_FLAGS: HRESULT = 0x8013_1374_u32 as i32;
     pub const CORPROF_E_SUSPENSION_IN_PROGRESS: HRESULT = 0x8013_1388_u32 as i32;
     pub const DIAGIPC_E_BAD_ENCODING: HRESULT = 0x8013_1384_u32 as i32;
@@ -312,6 +315,8 @@ pub mod event_mask {
     pub const MONITOR_SUSPENDS: u32 = 0x1_0000;
     pub const ENABLE_OBJECT_ALLOCATED: u32 = 0x80_0000;
     pub const ENABLE_STACK_SNAPSHOT: u32 = 0x1000_0000;
+    /// `COR_PRF_ENABLE_REJIT`: allowed after attach since .NET Core 3.0.
+    pub const ENABLE_REJIT: u32 = 0x4_0000;
     /// Everything an attaching profiler may ask for (3.1 through 9; .NET 10
     /// adds the two inlining/optimization bits).
     pub const ALLOWABLE_AFTER_ATTACH: u32 = 0x1005_02FE;

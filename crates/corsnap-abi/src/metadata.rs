@@ -10,6 +10,9 @@ use crate::{check, HResult, MdToken, HRESULT};
 /// methods, IMetaDataImport2 follows at 65).
 mod slot {
     pub const CLOSE_ENUM: usize = 3;
+    pub const FIND_TYPE_DEF_BY_NAME: usize = 9;
+    pub const FIND_METHOD: usize = 27;
+    pub const FIND_FIELD: usize = 28;
     pub const ENUM_INTERFACE_IMPLS: usize = 7;
     pub const GET_TYPE_DEF_PROPS: usize = 12;
     pub const GET_INTERFACE_IMPL_PROPS: usize = 13;
@@ -29,6 +32,16 @@ const _: () = assert!(slot::ENUM_INTERFACE_IMPLS == slot::CLOSE_ENUM + 4);
 const _: () = assert!(slot::GET_TYPE_DEF_PROPS == slot::CLOSE_ENUM + 9);
 const _: () = assert!(slot::GET_TYPE_REF_PROPS == slot::GET_INTERFACE_IMPL_PROPS + 1);
 const _: () = assert!(slot::GET_INTERFACE_IMPL_PROPS == slot::GET_TYPE_DEF_PROPS + 1);
+// FindTypeDefByName follows EnumTypeRefs (8); FindMethod and FindField come
+// after FindMember (26) and before FindMemberRef, GetMethodProps (30).
+const _: () = assert!(slot::FIND_TYPE_DEF_BY_NAME == slot::ENUM_INTERFACE_IMPLS + 2);
+const _: () = assert!(slot::FIND_FIELD == slot::FIND_METHOD + 1 && slot::GET_METHOD_PROPS == slot::FIND_FIELD + 2);
+
+/// `IMetaDataEmit` slots (cor.h: SetModuleProps is 3; GetTokenFromSig
+/// follows SetRVA, the 20th method).
+mod emit_slot {
+    pub const GET_TOKEN_FROM_SIG: usize = 23;
+}
 
 /// Token types (`CorTokenType`, the top byte of a token).
 const MDT_TYPE_REF: u32 = 0x0100_0000;
@@ -102,6 +115,36 @@ impl MetaDataImport {
             let vtbl = *(self.this.as_ptr() as *const *const *const c_void);
             std::mem::transmute_copy::<*const c_void, F>(&*vtbl.add(slot))
         }
+    }
+
+    /// The `TypeDef` named `name` (namespace and name, or a nested type's
+    /// own name with its `enclosing` class; 0 for none).
+    pub fn find_type_def_by_name(&self, name: &str, enclosing: MdToken) -> HResult<MdToken> {
+        type F = unsafe extern "C" fn(*mut c_void, *const u16, MdToken, *mut MdToken) -> HRESULT;
+        let name: Vec<u16> = name.encode_utf16().chain([0]).collect();
+        let mut token = 0;
+        // SAFETY: FindTypeDefByName(LPCWSTR, mdToken, mdTypeDef*); the name
+        // outlives the call.
+        unsafe {
+            let f: F = self.method(slot::FIND_TYPE_DEF_BY_NAME);
+            check(f(self.this.as_ptr(), name.as_ptr(), enclosing, &mut token))?;
+        }
+        Ok(token)
+    }
+
+    /// The first method (`field`: the first field) of `type_def` named
+    /// `name`, whatever its signature.
+    pub fn find_member(&self, type_def: MdToken, name: &str, field: bool) -> HResult<MdToken> {
+        type F = unsafe extern "C" fn(*mut c_void, MdToken, *const u16, *const u8, u32, *mut MdToken) -> HRESULT;
+        let name: Vec<u16> = name.encode_utf16().chain([0]).collect();
+        let mut token = 0;
+        // SAFETY: FindMethod / FindField(mdTypeDef, LPCWSTR, PCCOR_SIGNATURE,
+        // ULONG, mdToken*); no signature: matched by name alone.
+        unsafe {
+            let f: F = self.method(if field { slot::FIND_FIELD } else { slot::FIND_METHOD });
+            check(f(self.this.as_ptr(), type_def, name.as_ptr(), std::ptr::null(), 0, &mut token))?;
+        }
+        Ok(token)
     }
 
     pub fn get_method_props(&self, method: MdToken) -> HResult<MethodProps> {
@@ -281,5 +324,44 @@ impl MetaDataImport {
             names.push(utf16_until_nul(&buf[..(len as usize).min(buf.len())]));
         }
         Ok(names)
+    }
+}
+
+/// A module's metadata open for writing (`IMetaDataEmit`). Releases its
+/// reference when dropped.
+#[derive(Debug)]
+pub struct MetaDataEmit {
+    this: NonNull<c_void>,
+}
+
+// SAFETY: as for `MetaDataImport`; used from one thread at a time.
+unsafe impl Send for MetaDataEmit {}
+
+impl Drop for MetaDataEmit {
+    fn drop(&mut self) {
+        // SAFETY: we own one reference.
+        unsafe { crate::info::release(self.this) }
+    }
+}
+
+impl MetaDataEmit {
+    /// # Safety
+    /// `this` must be an owned reference to `IMetaDataEmit`.
+    pub(crate) unsafe fn from_raw(this: NonNull<c_void>) -> Self {
+        MetaDataEmit { this }
+    }
+
+    /// The `StandAloneSig` token of `signature` (made if the module has none).
+    pub fn get_token_from_sig(&self, signature: &[u8]) -> HResult<MdToken> {
+        type F = unsafe extern "C" fn(*mut c_void, *const u8, u32, *mut MdToken) -> HRESULT;
+        let mut token = 0;
+        // SAFETY: GetTokenFromSig(PCCOR_SIGNATURE, ULONG, mdSignature*); the
+        // slot is inside IMetaDataEmit's vtable (asserted order above).
+        unsafe {
+            let vtbl = *(self.this.as_ptr() as *const *const *const c_void);
+            let f = std::mem::transmute_copy::<*const c_void, F>(&*vtbl.add(emit_slot::GET_TOKEN_FROM_SIG));
+            check(f(self.this.as_ptr(), signature.as_ptr(), signature.len() as u32, &mut token))?;
+        }
+        Ok(token)
     }
 }

@@ -108,6 +108,15 @@ fn obey(running: &Running, command: Command) -> Option<String> {
 
 fn detach(running: &Running, why: &str) {
     log::write(format_args!("detaching: {why}"));
+    // The rewritten dispatch calls into this library: reverted, and its
+    // calls waited out, before anything else.
+    if !crate::remove_throw_hook(&running.shared) {
+        log::write(format_args!("a call from the dispatch hook did not return; not detaching, the agent stays loaded"));
+        crate::stop_event_pipe_sessions(&running.shared);
+        let _ = running.stop_sampler(&format!("stopped ({why})"));
+        let _ = running.socket.shutdown(std::net::Shutdown::Both);
+        return;
+    }
     crate::stop_event_pipe_sessions(&running.shared);
     if !running.stop_sampler(&format!("detached ({why})")) {
         // A sampler still running may still have its signal handler (and
@@ -124,6 +133,10 @@ fn detach(running: &Running, why: &str) {
         Ok(()) => log::write(format_args!("RequestProfilerDetach({expected_ms} ms) accepted")),
         // Detach impossible: everything of ours is already stopped, so the
         // agent stays loaded but quiet and harmless.
+        Err(e) if running.shared.exceptions_from_hook => log::write(format_args!(
+            "cannot detach ({e}: the exception hook enabled ReJIT at start-up, and the runtime lets no profiler that \
+             did leave); the dispatch hook is reverted and the agent stays loaded, idle"
+        )),
         Err(e) => log::write(format_args!("cannot detach ({e}); the agent stays loaded, idle")),
     }
 }

@@ -354,6 +354,7 @@ impl SamplerLoop {
                 next_verify = Instant::now() + if suspended { VERIFY_EVERY } else { VERIFY_RETRY };
             }
             self.publish_events(None);
+            crate::tend_throw_hook(&self.shared);
             let posted = std::mem::take(&mut *self.shared.outbox.lock().unwrap_or_else(|p| p.into_inner()));
             send_now |= !posted.is_empty();
             for msg in &posted {

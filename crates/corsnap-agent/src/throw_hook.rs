@@ -1,0 +1,138 @@
+//! Exceptions from a call at the start of the runtime's managed exception
+//! dispatch (.NET 9 and later): `System.Runtime.EH.DispatchEx` compiled
+//! again (ReJIT) with a prologue that calls the agent on the throwing
+//! thread (`corsnap_abi::throw_hook`). No exception callbacks, no EventPipe
+//! session: their cost on .NET 10 was the floor issue 18's target sat
+//! below.
+//!
+//! The agent asks for the ReJIT from the sampler thread (it suspends the
+//! runtime, never from a callback), once CoreLib is loaded. Until the
+//! first call arrives, throws still come from EventPipe when recording; a
+//! throw seen by both is counted once (the call marks its thread, the event
+//! that follows on that thread is skipped). Before a detach the handler is
+//! cleared, the method reverted, and calls in flight waited for.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use corsnap_abi::{throw_hook, CorProfilerInfo, FunctionControl, HResult, MdToken, ModuleID};
+
+/// How far the hook has come.
+pub(crate) mod state {
+    /// Not wanted, or not asked for yet.
+    pub const IDLE: u8 = 0;
+    /// The ReJIT was asked for.
+    pub const REQUESTED: u8 = 1;
+    /// A call came: the rewritten dispatch runs.
+    pub const ACTIVE: u8 = 2;
+    /// It could not be put in place (logged); EventPipe stays.
+    pub const FAILED: u8 = 3;
+    /// Taken out (detach).
+    pub const REMOVED: u8 = 4;
+}
+
+/// The rewritten method: where it is, and the body given in
+/// `GetReJITParameters`.
+struct Rewritten {
+    module: ModuleID,
+    method: MdToken,
+    body: Vec<u8>,
+}
+
+static REWRITTEN: Mutex<Option<Rewritten>> = Mutex::new(None);
+
+/// The hook of one recording.
+#[derive(Debug, Default)]
+pub(crate) struct ThrowHook {
+    pub state: AtomicU8,
+}
+
+thread_local! {
+    /// A dispatch on this thread was counted by the hook, and EventPipe's
+    /// event for it (if a session still runs) is to be skipped.
+    static COUNTED_BY_HOOK: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks the calling thread's dispatch as counted by the hook.
+pub(crate) fn mark_counted() {
+    let _ = COUNTED_BY_HOOK.try_with(|c| c.set(true));
+}
+
+/// Whether EventPipe's event on this thread was already counted by the
+/// hook (and forgets it).
+pub(crate) fn take_counted() -> bool {
+    COUNTED_BY_HOOK.try_with(|c| c.replace(false)).unwrap_or(false)
+}
+
+/// CoreLib's module, if loaded.
+fn core_library(info: &CorProfilerInfo) -> Option<ModuleID> {
+    info.enum_modules().ok()?.into_iter().find(|&m| {
+        info.get_module_info(m).is_ok_and(|(_, path)| {
+            path.rsplit(['/', '\\']).next().is_some_and(|f| f.eq_ignore_ascii_case("System.Private.CoreLib.dll"))
+        })
+    })
+}
+
+/// Builds the rewritten `DispatchEx` and asks for its ReJIT. `Ok(false)`:
+/// CoreLib is not loaded yet (ask again later).
+pub(crate) fn request(info: &CorProfilerInfo, handler: Box<throw_hook::Handler>) -> Result<bool, String> {
+    let Some(core) = core_library(info) else { return Ok(false) };
+    let step = |what: &str, r: HResult<MdToken>| r.map_err(|e| format!("{what}: {e}"));
+    let import = info.get_module_metadata(core).map_err(|e| format!("CoreLib's metadata: {e}"))?;
+    let eh = step("System.Runtime.EH", import.find_type_def_by_name("System.Runtime.EH", 0))?;
+    let ex_info = step("EH+ExInfo", import.find_type_def_by_name("ExInfo", eh))?;
+    let exception = step("ExInfo.ThrownException", import.find_member(ex_info, "get_ThrownException", false))?;
+    let dispatch = step("EH.DispatchEx", import.find_member(eh, "DispatchEx", false))?;
+    let helpers =
+        step("RuntimeHelpers", import.find_type_def_by_name("System.Runtime.CompilerServices.RuntimeHelpers", 0))?;
+    let get_method_table = step("RuntimeHelpers.GetMethodTable", import.find_member(helpers, "GetMethodTable", false))?;
+    let emit = info.get_module_metadata_for_emit(core).map_err(|e| format!("CoreLib's metadata for writing: {e}"))?;
+    let signature = step("the call's signature", emit.get_token_from_sig(&throw_hook::CALLI_SIGNATURE))?;
+    let original = info.get_il_function_body(core, dispatch).map_err(|e| format!("DispatchEx's IL: {e}"))?;
+    let prologue = throw_hook::prologue(exception, get_method_table, signature);
+    let body = corsnap_abi::il::prepend(&original, &prologue, throw_hook::PROLOGUE_STACK)
+        .map_err(|e| format!("DispatchEx's IL: {e}"))?;
+    *REWRITTEN.lock().unwrap_or_else(|p| p.into_inner()) = Some(Rewritten { module: core, method: dispatch, body });
+    throw_hook::set_handler(Some(handler), Duration::ZERO);
+    info.request_rejit(core, dispatch).map_err(|e| format!("RequestReJIT: {e}"))?;
+    Ok(true)
+}
+
+/// `GetReJITParameters`: the rewritten body, for the method asked for.
+pub(crate) fn rejit_parameters(module: ModuleID, method: MdToken, control: FunctionControl) -> Result<(), String> {
+    let rewritten = REWRITTEN.lock().unwrap_or_else(|p| p.into_inner());
+    match rewritten.as_ref() {
+        Some(r) if r.module == module && r.method == method => {
+            control.set_il_function_body(&r.body).map_err(|e| format!("SetILFunctionBody: {e}"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Takes the hook out before a detach: no handler, the original method
+/// back, no call left inside the library. `false`: a call was still in
+/// flight after the wait (the library must stay loaded).
+pub(crate) fn remove(info: &CorProfilerInfo, hook: &ThrowHook) -> bool {
+    let was = hook.state.swap(state::REMOVED, Ordering::SeqCst);
+    if was == state::IDLE || was == state::REMOVED {
+        return true;
+    }
+    let drained = throw_hook::set_handler(None, Duration::from_secs(1));
+    if let Some(r) = REWRITTEN.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        if let Err(e) = info.request_revert(r.module, r.method) {
+            crate::log::write(format_args!("RequestRevert of DispatchEx: {e}"));
+            return false;
+        }
+    }
+    drained
+}
+
+/// The shared state a handler closes over, kept alive by it.
+pub(crate) fn handler_for(
+    shared: Arc<crate::Shared>,
+    on_dispatch: fn(&crate::Shared, usize),
+) -> Box<throw_hook::Handler> {
+    Box::new(move |class| on_dispatch(&shared, class))
+}
