@@ -303,6 +303,9 @@ impl SamplerLoop {
     }
 
     fn run(mut self) {
+        // First: the program may throw from its first milliseconds, and the
+        // engines' set-up below takes tens of them.
+        crate::tend_throw_hook(&self.shared);
         self.suspend.warm_up();
         if self.shared.records(EventKind::Cpu) {
             let engine = self.signal.as_ref().map_or(self.suspend.name(), |s| s.name());
@@ -405,6 +408,9 @@ impl SamplerLoop {
             );
             log::write(format_args!("{text}"));
             self.recorder.channel.queue(&Message::Notice { severity: corsnap_wire::Severity::Info, text });
+        }
+        if self.shared.throw_hook.called.load(std::sync::atomic::Ordering::SeqCst) {
+            log::write(format_args!("exceptions: from the dispatch hook"));
         }
         log::write(format_args!("sampler stopping: {reason}; {:?}", self.recorder.stats));
         self.queue_stats();

@@ -13,7 +13,7 @@
 //! cleared, the method reverted, and calls in flight waited for.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -47,6 +47,9 @@ static REWRITTEN: Mutex<Option<Rewritten>> = Mutex::new(None);
 #[derive(Debug, Default)]
 pub(crate) struct ThrowHook {
     pub state: AtomicU8,
+    /// A call came (set with the first one's move to `ACTIVE`; kept
+    /// through `REMOVED`, for the log).
+    pub called: AtomicBool,
 }
 
 thread_local! {

@@ -675,3 +675,90 @@ fn benchmark_floor_switches_do_the_runtimes_part_and_record_nothing() {
     let session_only = run("allocs", &["1"], ("CORSNAP_BENCH_ALLOC_SESSION_ONLY", "1"), &["-e", "alloc"]);
     assert!(session_only.contains("no samples were recorded"), "{session_only}");
 }
+
+on_each_runtime!(exceptions_come_from_a_call_in_the_runtimes_own_dispatch_on_net9_and_later, exceptions_from_the_hook);
+
+/// On .NET 9 and later throws come from the call the agent puts at the
+/// start of `System.Runtime.EH.DispatchEx` (ReJIT), exactly counted; with
+/// `CORSNAP_EXCEPTION_HOOK=0`, from EventPipe, the same counts. .NET 8 has
+/// no managed dispatch and keeps its callbacks.
+fn exceptions_from_the_hook(runtime: Runtime) {
+    let hooked = runtime != Runtime::Net8;
+    for hook in ["1", "0"] {
+        let dir = scratch(&format!("exceptions-hook{hook}-{runtime:?}"));
+        let out = dir.join("p.txt");
+        let log = dir.join("agent.log");
+        let output = record_with_env(
+            runtime,
+            "throws",
+            &[],
+            &["-f", "collapsed", "-e", "exceptions", "--agent-log", log.to_str().unwrap(), "-o", out.to_str().unwrap()],
+            &[("CORSNAP_EXCEPTION_HOOK", hook)],
+            None,
+        );
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{stderr}");
+        let log = std::fs::read_to_string(&log).unwrap();
+        assert_eq!(log.contains("exceptions: from the dispatch hook"), hooked && hook == "1", "hook {hook}:\n{log}");
+        let exceptions = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
+        let ending = |method: &str, class: &str| -> u64 {
+            exceptions
+                .iter()
+                .filter(|s| s.frames.ends_with(&[method.to_string(), class.to_string()]))
+                .map(|s| s.count)
+                .sum()
+        };
+        let counts = (
+            ending("Faults.Thrower.First", "System.InvalidOperationException"),
+            ending("Faults.Thrower.Second", "System.ArgumentException"),
+            exceptions.iter().map(|s| s.count).sum::<u64>(),
+        );
+        assert_eq!(counts, (1000, 500, 1500), "hook {hook}:\n{}", describe(&exceptions));
+    }
+}
+
+/// A launched program that outlives its recording of exceptions on .NET 10
+/// runs on to its end: the agent cannot leave (a profiler that enabled
+/// ReJIT may not detach), so it puts `DispatchEx` back and stays idle.
+#[test]
+fn a_program_outliving_its_exception_recording_runs_on_with_its_dispatch_put_back() {
+    let dir = scratch("exceptions-outlived");
+    let out = dir.join("p.txt");
+    let log = dir.join("agent.log");
+    let output = record(
+        Runtime::Net10,
+        "service",
+        &["3"],
+        &[
+            "-d",
+            "1",
+            "-f",
+            "collapsed",
+            "-e",
+            "exceptions",
+            "--agent-log",
+            log.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ],
+        None,
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.lines().any(|l| l.starts_with("done ")), "the program did not finish:\n{stdout}\n{stderr}");
+    // Its heartbeats went on for two seconds after the recording (one a
+    // 100 ms, each after a throw through the dispatch put back).
+    let last_beat = stdout.lines().filter_map(|l| l.strip_prefix("heartbeat ")?.parse::<u64>().ok()).max();
+    assert!(last_beat.is_some_and(|b| b >= 20), "heartbeats stopped at {last_beat:?}:\n{stdout}");
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(log.contains("exceptions: from the dispatch hook"), "{log}");
+    assert!(log.contains("the dispatch hook is reverted and the agent stays loaded, idle"), "{log}");
+    let exceptions = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
+    let beats: u64 = exceptions
+        .iter()
+        .filter(|s| s.frames.ends_with(&["Service.Beat".to_string(), "System.InvalidOperationException".to_string()]))
+        .map(|s| s.count)
+        .sum();
+    assert!((5..=12).contains(&beats), "{beats} exceptions in a second:\n{}", describe(&exceptions));
+}
