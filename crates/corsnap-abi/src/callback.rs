@@ -53,6 +53,9 @@ pub trait ProfilerCallbacks: Send + Sync + Sized + 'static {
     /// The runtime compiles `method` again, as asked by `RequestReJIT`: the
     /// body to compile goes to `control` (no body: the original IL).
     fn get_rejit_parameters(&self, _module: ModuleID, _method: MdToken, _control: FunctionControl) {}
+    /// A method asked to be compiled again was (`rejit_id`: its new
+    /// version), before the runtime installs its code.
+    fn rejit_compilation_finished(&self, _function: FunctionID, _rejit_id: usize, _status: HRESULT) {}
     /// A method asked to be compiled again could not be.
     fn rejit_error(&self, _module: ModuleID, _method: MdToken, _status: HRESULT) {}
     fn garbage_collection_started(&self, _generations: &[bool], _reason: u32) {}
@@ -261,7 +264,7 @@ pub struct CallbackVtbl {
     /// slot 84: `GetReJITParameters`
     pub get_re_jit_parameters: unsafe extern "C" fn(*mut c_void, ModuleID, MdToken, *mut c_void) -> HRESULT,
     /// slot 85: `ReJITCompilationFinished`
-    pub re_jit_compilation_finished: Ignored,
+    pub re_jit_compilation_finished: unsafe extern "C" fn(*mut c_void, FunctionID, usize, HRESULT, i32) -> HRESULT,
     /// slot 86: `ReJITError`
     pub re_jit_error: unsafe extern "C" fn(*mut c_void, ModuleID, MdToken, FunctionID, HRESULT) -> HRESULT,
     /// slot 87: `MovedReferences2`
@@ -323,6 +326,7 @@ const _: () = {
     assert!(offset_of!(CallbackVtbl, load_as_notification_only) == 97 * 8);
     assert!(offset_of!(CallbackVtbl, get_re_jit_parameters) == 84 * 8);
     assert!(offset_of!(CallbackVtbl, re_jit_error) == 86 * 8);
+    assert!(offset_of!(CallbackVtbl, re_jit_compilation_finished) == 85 * 8);
     assert!(offset_of!(CallbackVtbl, event_pipe_event_delivered) == 95 * 8);
 };
 
@@ -424,7 +428,7 @@ impl<T: ProfilerCallbacks> VtableFor<T> {
         profiler_detach_succeeded: tramp::profiler_detach_succeeded::<T>,
         re_jit_compilation_started: tramp::ignored,
         get_re_jit_parameters: tramp::get_re_jit_parameters::<T>,
-        re_jit_compilation_finished: tramp::ignored,
+        re_jit_compilation_finished: tramp::re_jit_compilation_finished::<T>,
         re_jit_error: tramp::re_jit_error::<T>,
         moved_references2: tramp::ignored,
         surviving_references2: tramp::ignored,
@@ -574,6 +578,7 @@ mod tramp {
     simple!(thread_destroyed(t: ThreadID) => |p| p.thread_destroyed(t));
     simple!(thread_assigned_to_os_thread(t: ThreadID, os: u32) => |p| p.thread_assigned_to_os_thread(t, os));
     simple!(exception_thrown(o: ObjectID) => |p| p.exception_thrown(o));
+    simple!(re_jit_compilation_finished(f: FunctionID, r: usize, s: HRESULT, _b: i32) => |p| p.rejit_compilation_finished(f, r, s));
     simple!(re_jit_error(m: ModuleID, t: MdToken, _f: FunctionID, s: HRESULT) => |p| p.rejit_error(m, t, s));
 
     pub unsafe extern "C" fn get_re_jit_parameters<T: ProfilerCallbacks>(

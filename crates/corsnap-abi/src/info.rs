@@ -688,15 +688,21 @@ impl CorProfilerInfo {
     /// Where each native code version of `function` (its tiers, for the
     /// IL the runtime started with) begins (Info9).
     pub fn get_native_code_start_addresses(&self, function: FunctionID) -> HResult<Vec<u64>> {
+        self.get_native_code_start_addresses_of(function, 0)
+    }
+
+    /// The same, for the version `rejit_id` of its IL (0: the original; a
+    /// ReJIT's, as `ReJITCompilationFinished` names it).
+    pub fn get_native_code_start_addresses_of(&self, function: FunctionID, rejit_id: usize) -> HResult<Vec<u64>> {
         type F = unsafe extern "C" fn(*mut c_void, FunctionID, usize, u32, *mut u32, *mut usize) -> HRESULT;
         let mut starts = [0usize; 16];
         let mut count = 0u32;
         // SAFETY: GetNativeCodeStartAddresses(FunctionID, ReJITID,
         // ULONG32 cCodeStartAddresses, ULONG32 *pcCodeStartAddresses,
-        // UINT_PTR codeStartAddresses[]); ReJITID 0 is the original IL.
+        // UINT_PTR codeStartAddresses[]).
         unsafe {
             let f: F = self.method(slot::GET_NATIVE_CODE_START_ADDRESSES)?;
-            check(f(self.raw(), function, 0, starts.len() as u32, &mut count, starts.as_mut_ptr()))?;
+            check(f(self.raw(), function, rejit_id, starts.len() as u32, &mut count, starts.as_mut_ptr()))?;
         }
         let n = (count as usize).min(starts.len());
         Ok(starts[..n].iter().map(|&a| a as u64).collect())

@@ -17,8 +17,7 @@
 //! object). The `MethodTable` is read in managed code, through the
 //! runtime's own intrinsic, while the exception is a reported reference.
 
-use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 /// What the entry point runs, given the exception's `ClassID`.
 pub type Handler = dyn Fn(usize) + Send + Sync;
@@ -26,61 +25,34 @@ pub type Handler = dyn Fn(usize) + Send + Sync;
 /// The handler (a leaked `Box<Box<Handler>>`, for a thin pointer), null for
 /// none.
 static HANDLER: AtomicPtr<Box<Handler>> = AtomicPtr::new(std::ptr::null_mut());
-/// Calls inside [`corsnap_exception_dispatched`] now, counted on the
-/// calling thread's stripe (by [`crate::thread_hash`]), each on a cache line
-/// of its own: one count for all passed its line between two throwing
-/// threads' cores twice a throw (a fifth of corsnap's share of `validate`'s
-/// CPU on .NET 10).
-#[repr(align(64))]
-struct Stripe(AtomicU64);
 
-const STRIPES: usize = 16;
-static IN_FLIGHT: [Stripe; STRIPES] = [const { Stripe(AtomicU64::new(0)) }; STRIPES];
-
-fn own_stripe() -> &'static AtomicU64 {
-    &IN_FLIGHT[(crate::thread_hash() >> 60) as usize % STRIPES].0
-}
-
-/// Makes [`corsnap_exception_dispatched`] run `handler` (or nothing). The
-/// handler it replaces is dropped once no call can be running it (waited
-/// for up to `wait`; `false`, and the old handler leaked, if calls were
-/// still in flight then).
-pub fn set_handler(handler: Option<Box<Handler>>, wait: Duration) -> bool {
+/// Makes [`corsnap_exception_dispatched`] run `handler` (or nothing).
+///
+/// A handler replaced is leaked, never freed: a call may still be running
+/// it. That is safe and bounded because the library is never unloaded
+/// once the hook was asked for: a profiler that enabled ReJIT may not
+/// detach (the runtime's `EnsureProfilerDetachable`), so no call can
+/// outlive the code or the handler it runs. One closure a recording is the
+/// price of an entry point with no read-modify-write: counting the calls in
+/// flight (even on per-thread stripes) was a tenth of corsnap's share of an
+/// exception storm's CPU.
+pub fn set_handler(handler: Option<Box<Handler>>) {
     let new = handler.map_or(std::ptr::null_mut(), |h| Box::into_raw(Box::new(h)));
-    let old = HANDLER.swap(new, Ordering::SeqCst);
-    if old.is_null() {
-        return true;
-    }
-    // A call that loaded `old` counted itself in before (both SeqCst), so
-    // once the count is seen at zero none is left running it.
-    let deadline = Instant::now() + wait;
-    while IN_FLIGHT.iter().any(|s| s.0.load(Ordering::SeqCst) != 0) {
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    // SAFETY: `old` came from `Box::into_raw` above, was swapped out, and no
-    // call still uses it.
-    drop(unsafe { Box::from_raw(old) });
-    true
+    HANDLER.swap(new, Ordering::AcqRel);
 }
 
 /// Called by the rewritten `DispatchEx` once per dispatch, on the throwing
 /// thread, with the exception's `MethodTable`.
 #[no_mangle]
 pub extern "C" fn corsnap_exception_dispatched(method_table: usize) {
-    let stripe = own_stripe();
-    stripe.fetch_add(1, Ordering::SeqCst);
-    let handler = HANDLER.load(Ordering::SeqCst);
+    let handler = HANDLER.load(Ordering::Acquire);
     if !handler.is_null() {
-        // SAFETY: a live handler: `set_handler` frees a replaced one only
-        // after this call has counted itself out.
+        // SAFETY: a handler is never freed (see `set_handler`), and was
+        // fully written before its pointer was published (release/acquire).
         let handler = unsafe { &*handler };
         // No panic unwinds into the managed caller.
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler(method_table)));
     }
-    stripe.fetch_sub(1, Ordering::SeqCst);
 }
 
 /// The `calli` signature: `unmanaged cdecl void (native int)`

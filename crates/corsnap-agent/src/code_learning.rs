@@ -212,7 +212,10 @@ impl CodeLearner {
         corsnap_abi::hot_memory::allocate_hot(|| {
             let mut learned: Vec<ManagedCode> = Vec::new();
             for &function in &all {
-                let Ok(starts) = self.info.get_native_code_start_addresses(function) else { continue };
+                let Ok(mut starts) = self.info.get_native_code_start_addresses(function) else { continue };
+                for rejit_id in rejit_versions_of(function) {
+                    starts.extend(self.info.get_native_code_start_addresses_of(function, rejit_id).unwrap_or_default());
+                }
                 if starts.iter().all(|&start| start == 0) {
                     if !self.code_not_set.iter().any(|&(f, _)| f == function) {
                         let since = waiting.iter().find(|&&(f, _)| f == function).map_or(now, |&(_, since)| since);
@@ -586,4 +589,24 @@ pub fn corelib_image() -> Option<ManagedCode> {
             .filter(|m| m.range.start <= code)
             .find_map(|m| ready_to_run_image(m.range.start).filter(|image| image.code.contains(&code)))
     })
+}
+
+/// ReJIT versions of methods (`(FunctionID, ReJITID)`), from
+/// `ReJITCompilationFinished`: their code starts are asked for beside the
+/// original's when the function is learned (the exception hook's
+/// `DispatchEx`; without it every throw walked through code not known and
+/// copied its stack until the sampler thread learned it from a copy, a
+/// thousand times a run of `validate` with CPU sampling).
+static REJIT_VERSIONS: std::sync::Mutex<Vec<(FunctionID, usize)>> = std::sync::Mutex::new(Vec::new());
+
+pub fn note_rejit_version(function: FunctionID, rejit_id: usize) {
+    let mut versions = REJIT_VERSIONS.lock().unwrap_or_else(|p| p.into_inner());
+    if !versions.contains(&(function, rejit_id)) && versions.len() < 64 {
+        versions.push((function, rejit_id));
+    }
+}
+
+fn rejit_versions_of(function: FunctionID) -> Vec<usize> {
+    let versions = REJIT_VERSIONS.lock().unwrap_or_else(|p| p.into_inner());
+    versions.iter().filter(|&&(f, _)| f == function).map(|&(_, r)| r).collect()
 }

@@ -108,15 +108,8 @@ fn obey(running: &Running, command: Command) -> Option<String> {
 
 fn detach(running: &Running, why: &str) {
     log::write(format_args!("detaching: {why}"));
-    // The rewritten dispatch calls into this library: reverted, and its
-    // calls waited out, before anything else.
-    if !crate::remove_throw_hook(&running.shared) {
-        log::write(format_args!("a call from the dispatch hook did not return; not detaching, the agent stays loaded"));
-        crate::stop_event_pipe_sessions(&running.shared);
-        let _ = running.stop_sampler(&format!("stopped ({why})"));
-        let _ = running.socket.shutdown(std::net::Shutdown::Both);
-        return;
-    }
+    // The rewritten dispatch calls into this library: put back first.
+    crate::remove_throw_hook(&running.shared);
     crate::stop_event_pipe_sessions(&running.shared);
     if !running.stop_sampler(&format!("detached ({why})")) {
         // A sampler still running may still have its signal handler (and

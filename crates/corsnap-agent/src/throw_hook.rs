@@ -9,13 +9,13 @@
 //! runtime, never from a callback), once CoreLib is loaded. Until the
 //! first call arrives, throws still come from EventPipe when recording; a
 //! throw seen by both is counted once (the call marks its thread, the event
-//! that follows on that thread is skipped). Before a detach the handler is
-//! cleared, the method reverted, and calls in flight waited for.
+//! that follows on that thread is skipped). Before a detach (which the
+//! runtime then refuses: ReJIT was enabled) the handler is cleared and the
+//! method reverted.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use corsnap_abi::{throw_hook, CorProfilerInfo, FunctionControl, HResult, MdToken, ModuleID};
 
@@ -69,19 +69,26 @@ pub(crate) fn take_counted() -> bool {
     COUNTED_BY_HOOK.try_with(|c| c.replace(false)).unwrap_or(false)
 }
 
-/// CoreLib's module, if loaded.
-fn core_library(info: &CorProfilerInfo) -> Option<ModuleID> {
-    info.enum_modules().ok()?.into_iter().find(|&m| {
+/// CoreLib's module: `Ok(None)` while no module is loaded yet (CoreLib is
+/// the first), an error once others are and it is not among them.
+fn core_library(info: &CorProfilerInfo) -> Result<Option<ModuleID>, String> {
+    let modules = info.enum_modules().map_err(|e| format!("EnumModules: {e}"))?;
+    let core = modules.iter().copied().find(|&m| {
         info.get_module_info(m).is_ok_and(|(_, path)| {
             path.rsplit(['/', '\\']).next().is_some_and(|f| f.eq_ignore_ascii_case("System.Private.CoreLib.dll"))
         })
-    })
+    });
+    match core {
+        Some(m) => Ok(Some(m)),
+        None if modules.len() > 1 => Err(format!("no System.Private.CoreLib.dll among {} modules", modules.len())),
+        None => Ok(None),
+    }
 }
 
 /// Builds the rewritten `DispatchEx` and asks for its ReJIT. `Ok(false)`:
 /// CoreLib is not loaded yet (ask again later).
 pub(crate) fn request(info: &CorProfilerInfo, handler: Box<throw_hook::Handler>) -> Result<bool, String> {
-    let Some(core) = core_library(info) else { return Ok(false) };
+    let Some(core) = core_library(info)? else { return Ok(false) };
     let step = |what: &str, r: HResult<MdToken>| r.map_err(|e| format!("{what}: {e}"));
     let import = info.get_module_metadata(core).map_err(|e| format!("CoreLib's metadata: {e}"))?;
     let eh = step("System.Runtime.EH", import.find_type_def_by_name("System.Runtime.EH", 0))?;
@@ -98,7 +105,7 @@ pub(crate) fn request(info: &CorProfilerInfo, handler: Box<throw_hook::Handler>)
     let body = corsnap_abi::il::prepend(&original, &prologue, throw_hook::PROLOGUE_STACK)
         .map_err(|e| format!("DispatchEx's IL: {e}"))?;
     *REWRITTEN.lock().unwrap_or_else(|p| p.into_inner()) = Some(Rewritten { module: core, method: dispatch, body });
-    throw_hook::set_handler(Some(handler), Duration::ZERO);
+    throw_hook::set_handler(Some(handler));
     info.request_rejit(core, dispatch).map_err(|e| format!("RequestReJIT: {e}"))?;
     Ok(true)
 }
@@ -115,21 +122,18 @@ pub(crate) fn rejit_parameters(module: ModuleID, method: MdToken, control: Funct
 }
 
 /// Takes the hook out before a detach: no handler, the original method
-/// back, no call left inside the library. `false`: a call was still in
-/// flight after the wait (the library must stay loaded).
-pub(crate) fn remove(info: &CorProfilerInfo, hook: &ThrowHook) -> bool {
+/// back. (The library stays loaded: see `throw_hook::set_handler`.)
+pub(crate) fn remove(info: &CorProfilerInfo, hook: &ThrowHook) {
     let was = hook.state.swap(state::REMOVED, Ordering::SeqCst);
     if was == state::IDLE || was == state::REMOVED {
-        return true;
+        return;
     }
-    let drained = throw_hook::set_handler(None, Duration::from_secs(1));
+    throw_hook::set_handler(None);
     if let Some(r) = REWRITTEN.lock().unwrap_or_else(|p| p.into_inner()).take() {
         if let Err(e) = info.request_revert(r.module, r.method) {
             crate::log::write(format_args!("RequestRevert of DispatchEx: {e}"));
-            return false;
         }
     }
-    drained
 }
 
 /// The shared state a handler closes over, kept alive by it.
