@@ -8,7 +8,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use support::{compiled, corsnap_bin, count_with, describe, parse_collapsed, scratch, wait_for, Runtime, Service};
+use support::{
+    compiled, corsnap_bin, count_ending, count_with, describe, parse_collapsed, scratch, wait_for, Runtime, Service,
+};
 
 /// The threads to compare against after a detach. The runtime keeps one
 /// thread of its own after the first detach (its profiler-detach thread,
@@ -271,11 +273,7 @@ fn events_after_attach(runtime: Runtime) {
     let out = dir.join("p.txt");
     record_pid(&service, "1.5", &["-e", "cpu", "-e", "exceptions"], &out);
     let exceptions = parse_collapsed(&std::fs::read_to_string(dir.join("p.exceptions.txt")).unwrap());
-    let beats: u64 = exceptions
-        .iter()
-        .filter(|s| s.frames.ends_with(&["Service.Beat".to_string(), "System.InvalidOperationException".to_string()]))
-        .map(|s| s.count)
-        .sum();
+    let beats = count_ending(&exceptions, &["Service.Beat", "System.InvalidOperationException"]);
     // One per 100 ms heartbeat during 1.5 s.
     assert!((10..=16).contains(&beats), "{beats} exceptions:\n{}", describe(&exceptions));
     let cpu = parse_collapsed(&std::fs::read_to_string(dir.join("p.cpu.txt")).unwrap());

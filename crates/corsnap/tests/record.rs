@@ -5,7 +5,9 @@ mod support;
 
 use std::process::Command;
 
-use support::{count_with, describe, parse_collapsed, record, record_collapsed, record_with_env, scratch, Runtime};
+use support::{
+    count_ending, count_with, describe, parse_collapsed, record, record_collapsed, record_with_env, scratch, Runtime,
+};
 
 fn share_of_heavy(runtime: Runtime, sampler: &str) {
     // 400 Hz: at 100 Hz the 300 samples of a 3 s run leave a standard error
@@ -701,16 +703,9 @@ fn exceptions_from_the_hook(runtime: Runtime) {
         let log = std::fs::read_to_string(&log).unwrap();
         assert_eq!(log.contains("exceptions: from the dispatch hook"), hooked && hook == "1", "hook {hook}:\n{log}");
         let exceptions = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
-        let ending = |method: &str, class: &str| -> u64 {
-            exceptions
-                .iter()
-                .filter(|s| s.frames.ends_with(&[method.to_string(), class.to_string()]))
-                .map(|s| s.count)
-                .sum()
-        };
         let counts = (
-            ending("Faults.Thrower.First", "System.InvalidOperationException"),
-            ending("Faults.Thrower.Second", "System.ArgumentException"),
+            count_ending(&exceptions, &["Faults.Thrower.First", "System.InvalidOperationException"]),
+            count_ending(&exceptions, &["Faults.Thrower.Second", "System.ArgumentException"]),
             exceptions.iter().map(|s| s.count).sum::<u64>(),
         );
         assert_eq!(counts, (1000, 500, 1500), "hook {hook}:\n{}", describe(&exceptions));
@@ -755,10 +750,6 @@ fn a_program_outliving_its_exception_recording_runs_on_with_its_dispatch_put_bac
     assert!(log.contains("exceptions: from the dispatch hook"), "{log}");
     assert!(log.contains("the dispatch hook is reverted and the agent stays loaded, idle"), "{log}");
     let exceptions = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
-    let beats: u64 = exceptions
-        .iter()
-        .filter(|s| s.frames.ends_with(&["Service.Beat".to_string(), "System.InvalidOperationException".to_string()]))
-        .map(|s| s.count)
-        .sum();
+    let beats = count_ending(&exceptions, &["Service.Beat", "System.InvalidOperationException"]);
     assert!((5..=12).contains(&beats), "{beats} exceptions in a second:\n{}", describe(&exceptions));
 }

@@ -234,6 +234,16 @@ pub fn count_with(stacks: &[Stack], frame: &str) -> u64 {
     stacks.iter().filter(|s| s.frames.iter().any(|f| f == frame)).map(|s| s.count).sum()
 }
 
+/// The weight of the stacks whose last frames (leaf last) are `tail`.
+#[allow(dead_code)] // not every test binary uses it
+pub fn count_ending(stacks: &[Stack], tail: &[&str]) -> u64 {
+    stacks
+        .iter()
+        .filter(|s| s.frames.ends_with(&tail.iter().map(|f| f.to_string()).collect::<Vec<_>>()))
+        .map(|s| s.count)
+        .sum()
+}
+
 pub fn describe(stacks: &[Stack]) -> String {
     let mut sorted: Vec<_> = stacks.iter().collect();
     sorted.sort_by_key(|s| std::cmp::Reverse(s.count));
