@@ -23,14 +23,12 @@ use corsnap_abi::{throw_hook, CorProfilerInfo, FunctionControl, HResult, MdToken
 pub(crate) mod state {
     /// Not wanted, or not asked for yet.
     pub const IDLE: u8 = 0;
-    /// The ReJIT was asked for.
+    /// The ReJIT was asked for (it runs once `ThrowHook::called`).
     pub const REQUESTED: u8 = 1;
-    /// A call came: the rewritten dispatch runs.
-    pub const ACTIVE: u8 = 2;
     /// It could not be put in place (logged); EventPipe stays.
-    pub const FAILED: u8 = 3;
+    pub const FAILED: u8 = 2;
     /// Taken out (detach).
-    pub const REMOVED: u8 = 4;
+    pub const REMOVED: u8 = 3;
 }
 
 /// The rewritten method: where it is, and the body given in
@@ -47,8 +45,7 @@ static REWRITTEN: Mutex<Option<Rewritten>> = Mutex::new(None);
 #[derive(Debug, Default)]
 pub(crate) struct ThrowHook {
     pub state: AtomicU8,
-    /// A call came (set with the first one's move to `ACTIVE`; kept
-    /// through `REMOVED`, for the log).
+    /// A call came: the rewritten dispatch runs.
     pub called: AtomicBool,
 }
 
