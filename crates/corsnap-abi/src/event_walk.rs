@@ -152,6 +152,7 @@ impl Walker {
     /// stack's mapping, at its top end, so a later thread with the same
     /// pointer has a stack that ends where the bounds do, and a walk reads
     /// only from its stack pointer up.)
+    #[inline]
     fn last_stack(&self, generation: u64, thread: u64, sp: u64) -> Option<std::ops::Range<u64>> {
         let (found_in, found_by, stack) = self.stack.as_ref()?;
         (*found_in == generation && *found_by == thread && stack.contains(&sp)).then(|| stack.clone())
@@ -271,6 +272,7 @@ struct Borrowed {
 }
 
 impl Borrowed {
+    #[inline]
     fn take() -> Option<Borrowed> {
         // Start at a place of the thread's own (a hash of its thread
         // pointer), so that a thread mostly takes the same walker, whose
@@ -322,8 +324,9 @@ pub struct OwnWalk<'w> {
     pub repeats: Option<&'w mut Repeats>,
 }
 
-/// Walks the calling thread's stack, leaf first, and hands it to `use_walk`
-/// ([`OwnWalk`]), with `head` words (at most [`HEAD_ROOM`]) before the
+/// Walks the calling thread's stack, leaf first (or from `caller`, a
+/// caller's frame as a call from it returns: the frames above are not
+/// walked), and hands it to `use_walk` ([`OwnWalk`]), with `head` words (at most [`HEAD_ROOM`]) before the
 /// frames for the caller. `runtime_thread` is the runtime's object for this
 /// thread (its `ThreadID`), for undoing a hijacked return address. A kept
 /// walk replaced by this one hands its counted events ([`Repeats`]) to
@@ -332,6 +335,7 @@ pub struct OwnWalk<'w> {
 pub fn walk_own_stack<R>(
     runtime_thread: u64,
     head: usize,
+    caller: Option<Regs>,
     mut spill: impl FnMut(Counted<'_>),
     use_walk: impl FnOnce(OwnWalk<'_>) -> R,
 ) -> Result<R, OwnWalkError> {
@@ -350,21 +354,24 @@ pub fn walk_own_stack<R>(
         NO_MAP.fetch_add(1, Ordering::Relaxed);
         return Err(OwnWalkError::NoMap);
     };
-    let (ip, sp, bp): (u64, u64, u64);
-    // SAFETY: reads three registers into outputs; touches no memory, no
-    // stack and no flags.
-    unsafe {
-        std::arch::asm!(
-            "lea {ip}, [rip]",
-            "mov {sp}, rsp",
-            "mov {bp}, rbp",
-            ip = out(reg) ip,
-            sp = out(reg) sp,
-            bp = out(reg) bp,
-            options(nomem, nostack, preserves_flags)
-        );
-    }
-    let regs = Regs { ip, sp, bp };
+    let from_leaf = caller.is_none();
+    let regs = caller.unwrap_or_else(|| {
+        let (ip, sp, bp): (u64, u64, u64);
+        // SAFETY: reads three registers into outputs; touches no memory, no
+        // stack and no flags.
+        unsafe {
+            std::arch::asm!(
+                "lea {ip}, [rip]",
+                "mov {sp}, rsp",
+                "mov {bp}, rbp",
+                ip = out(reg) ip,
+                sp = out(reg) sp,
+                bp = out(reg) bp,
+                options(nomem, nostack, preserves_flags)
+            );
+        }
+        Regs { ip, sp, bp }
+    });
     let mut own_walker;
     let walker = match &borrowed {
         // SAFETY: a pointer taken out of the pool is this walk's alone until
@@ -446,7 +453,7 @@ pub fn walk_own_stack<R>(
             start,
             &memory,
             out,
-            |recorded, out| corsnap_unwind::walk(map, recorded, regs, cache, out),
+            |recorded, out| corsnap_unwind::walk_from(map, recorded, regs, from_leaf, cache, out, None),
             trim,
             &mut spill,
         );
@@ -480,7 +487,7 @@ pub fn walk_own_stack<R>(
             copy = Some(OwnStackCopy {
                 regs: from,
                 from_frame,
-                from_leaf: from == regs,
+                from_leaf: from_leaf && from == regs,
                 words: kept,
                 splice: walk.splice.map(|(i, at)| (i, at.sp)),
             });
@@ -500,6 +507,67 @@ pub fn walk_own_stack<R>(
     drop(borrowed);
     drop(in_flight);
     Ok(result)
+}
+
+/// A kept walk replayed by [`replay_own_stack`]: as [`OwnWalk`] hands a
+/// replayed one over.
+#[derive(Debug)]
+pub struct Replayed<'w> {
+    /// `head` words the caller may fill (what it wrote at this walk's last
+    /// replay is still there), then the frames, which it must leave as
+    /// they are.
+    pub words: &'w mut [u64],
+    pub walk: &'w Walk,
+    /// The events counted on the walk ([`Repeats`]).
+    pub repeats: &'w mut Repeats,
+}
+
+/// [`walk_own_stack`] from `caller`'s frame when, and only when, a walk
+/// its walker kept replays (see [`replay`]): `use_replay`'s answer, or
+/// `None` with nothing done (no map, no walker free, a stack or start the
+/// walker has not walked from, a kept walk whose words changed).
+///
+/// Why a lane of its own: in an exception storm nearly every event is a
+/// replay, and its cost was the code and data it touched, cold again at
+/// every throw after the runtime's dispatch had run through the caches
+/// (under `perf`, samples piled up on the first instruction of each
+/// function on the way and on each first load of a structure). This is
+/// one function, and touches the pool slot, the walker's stack bounds and
+/// the kept walk's start, reads and head, with nothing else inlined
+/// into it but what a replay needs.
+#[inline(never)]
+pub fn replay_own_stack<R>(
+    runtime_thread: u64,
+    head: usize,
+    caller: Regs,
+    use_replay: impl FnOnce(Replayed<'_>) -> R,
+) -> Option<R> {
+    if MAP.load(Ordering::Relaxed).is_null() {
+        return None;
+    }
+    // Only a pooled walker: one made for the event would have kept nothing.
+    let borrowed = Borrowed::take()?;
+    // SAFETY: as in `walk_own_stack`: counted in (the pooled walker's slot
+    // empty) before the load, and a replaced map is freed only once every
+    // walker is back in the pool.
+    let map = unsafe { MAP.load(Ordering::SeqCst).as_ref() }?;
+    // SAFETY: as in `walk_own_stack`: the walker is this call's alone until
+    // `borrowed` puts it back, and lives until `uninstall`.
+    let walker = unsafe { &mut *borrowed.walker };
+    // SAFETY: pthread_self has no preconditions.
+    let thread = unsafe { libc::pthread_self() } as u64;
+    let stack = walker.last_stack(map.generation(), thread, caller.sp)?;
+    let memory = LiveMemory { stack: stack.clone(), map, runtime_thread };
+    let Walker { counts, replays, .. } = walker;
+    let start = replay::Start::new(map.generation(), caller, &stack, runtime_thread);
+    let kept = replays.replay(&start, &memory)?;
+    let (walk, found, words, _, repeats) = replays.replayed(kept, head);
+    for (count, add) in counts.iter_mut().zip([1, found, 0, 0, 1]) {
+        *count += add as u64;
+    }
+    let result = use_replay(Replayed { words, walk, repeats });
+    drop(borrowed);
+    Some(result)
 }
 
 /// A hash of a walk's frames (never 0), for an event tally's key: the
@@ -743,6 +811,10 @@ mod tests {
     use corsnap_unwind::process::{native_module, parse_maps, stack_ranges, LoadedElf};
     use corsnap_unwind::Memory;
 
+    /// Held by a test that installs the event map (one process-wide map:
+    /// two tests installing at once would find it taken).
+    static MAP_OF_A_TEST: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     fn own_code_map(with_stacks: bool) -> CodeMap {
         let (objects, _) = crate::process::loaded_objects();
         let natives = objects
@@ -766,6 +838,7 @@ mod tests {
             return walk_own_stack(
                 0,
                 0,
+                None,
                 |_| {},
                 |own| {
                     assert_eq!(own.hash, frames_hash(own.words));
@@ -780,6 +853,7 @@ mod tests {
 
     #[test]
     fn a_walk_of_ones_own_stack_needs_a_map_and_then_reaches_the_root() {
+        let _map = MAP_OF_A_TEST.lock().unwrap_or_else(|p| p.into_inner());
         assert_eq!(deeper(0).err(), Some(OwnWalkError::NoMap));
         let mut events = EventMap::install().expect("first install");
         // A map that lists no stacks (a thread made since it was read): the
@@ -814,6 +888,44 @@ mod tests {
         assert_eq!((both[1].1.flags, both[1].1.sp), (walk.flags, walk.sp));
         assert!(events.uninstall(Duration::from_secs(1)));
         assert_eq!(deeper(0).err(), Some(OwnWalkError::NoMap));
+    }
+
+    /// Calls [`from_a_caller`] with the registers of this call's caller's
+    /// frame as the call returns to it, as the dispatch hook's entry does.
+    #[unsafe(naked)]
+    extern "C" fn walk_from_here(out: *mut [Option<(u32, u64)>; 3]) {
+        std::arch::naked_asm!("mov rsi, rsp", "mov rdx, rbp", "jmp {inner}", inner = sym from_a_caller)
+    }
+
+    /// Walks from the leaf, from the caller `walk_from_here` was called by,
+    /// and replays from that caller: each one's flags and root, in `out`.
+    extern "C" fn from_a_caller(out: *mut [Option<(u32, u64)>; 3], return_slot: *const u64, bp: u64) {
+        // SAFETY: the slot `walk_from_here`'s call pushed its return address
+        // into, on this stack, live until we return.
+        let caller = Regs { ip: unsafe { return_slot.read() }, sp: return_slot as u64 + 8, bp };
+        let of = |walk: &Walk| (walk.flags, walk.sp);
+        let leaf = walk_own_stack(0, 0, None, |_| {}, |own| of(own.walk)).ok();
+        let from_caller = walk_own_stack(0, 0, Some(caller), |_| {}, |own| of(own.walk)).ok();
+        let replayed = replay_own_stack(0, 0, caller, |r| of(r.walk));
+        // SAFETY: `out` is the caller's array, written once.
+        unsafe { out.write([leaf, from_caller, replayed]) };
+    }
+
+    #[test]
+    fn a_walk_from_a_callers_frame_reaches_the_root_a_walk_from_the_leaf_does() {
+        let _map = MAP_OF_A_TEST.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out = [None; 3];
+        walk_from_here(&mut out);
+        assert_eq!(out, [None; 3], "no map, no walk and no replay");
+        let mut events = EventMap::install().expect("install");
+        events.publish(Arc::new(own_code_map(true)));
+        let mut out = [None; 3];
+        walk_from_here(&mut out);
+        let [leaf, from_caller, _] = out;
+        let (flags, root) = leaf.expect("a walk from the leaf");
+        assert!(flags & corsnap_unwind::flags::COMPLETE != 0, "{flags:#x}");
+        assert_eq!(from_caller, Some((flags, root)), "the same root, reached the same way");
+        assert!(events.uninstall(Duration::from_secs(1)));
     }
 
     /// A kept walk is replayed only while every word it read holds what it

@@ -19,8 +19,13 @@
 
 use std::sync::atomic::{AtomicPtr, Ordering};
 
-/// What the entry point runs, given the exception's `ClassID`.
-pub type Handler = dyn Fn(usize) + Send + Sync;
+use corsnap_unwind::Regs;
+
+/// What the entry point runs, given the exception's `ClassID` and the
+/// registers of the rewritten `DispatchEx`'s frame as the call returns to
+/// it (where a walk of the throwing thread's stack starts: the agent's own
+/// frames are not walked).
+pub type Handler = dyn Fn(usize, Regs) + Send + Sync;
 
 /// The handler (a leaked `Box<Box<Handler>>`, for a thin pointer), null for
 /// none.
@@ -43,16 +48,43 @@ pub fn set_handler(handler: Option<Box<Handler>>) {
 
 /// Called by the rewritten `DispatchEx` once per dispatch, on the throwing
 /// thread, with the exception's `MethodTable`.
+///
+/// Three instructions: they hand [`exception_dispatched_from`] the address
+/// of the return address (the stack pointer at entry) and the caller's
+/// frame pointer, untouched at entry, so the walk starts at `DispatchEx`'s
+/// frame. Walking down from inside the agent instead went through eight of
+/// its frames before reaching it, and a replayed walk checked each of their
+/// stack words at every throw.
+#[unsafe(naked)]
 #[no_mangle]
 pub extern "C" fn corsnap_exception_dispatched(method_table: usize) {
+    // rdi (the `MethodTable`) is passed on as it came; the stack is as the
+    // call left it, so the jump is a tail call with the caller's alignment.
+    std::arch::naked_asm!(
+        "mov rsi, rsp",
+        "mov rdx, rbp",
+        "jmp {inner}",
+        inner = sym exception_dispatched_from,
+    )
+}
+
+/// [`corsnap_exception_dispatched`]'s body: `return_slot` is where the call
+/// left its return address, `caller_bp` the caller's frame pointer.
+extern "C" fn exception_dispatched_from(method_table: usize, return_slot: *const u64, caller_bp: u64) {
     let handler = HANDLER.load(Ordering::Acquire);
-    if !handler.is_null() {
-        // SAFETY: a handler is never freed (see `set_handler`), and was
-        // fully written before its pointer was published (release/acquire).
-        let handler = unsafe { &*handler };
-        // No panic unwinds into the managed caller.
-        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler(method_table)));
+    if handler.is_null() {
+        return;
     }
+    // SAFETY: `return_slot` is the stack pointer at the entry point's entry:
+    // the slot the call pushed its return address into, on this thread's
+    // own stack just above this function's frame, live until we return;
+    // the call left it 8-byte aligned.
+    let caller = Regs { ip: unsafe { return_slot.read() }, sp: return_slot as u64 + 8, bp: caller_bp };
+    // SAFETY: a handler is never freed (see `set_handler`), and was fully
+    // written before its pointer was published (release/acquire).
+    let handler = unsafe { &*handler };
+    // No panic unwinds into the managed caller.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler(method_table, caller)));
 }
 
 /// The `calli` signature: `unmanaged cdecl void (native int)`

@@ -33,7 +33,7 @@ use corsnap_abi::process::LoadedObject;
 use corsnap_abi::signal::{self, SignalSampler};
 use corsnap_abi::{CorProfilerInfo, FunctionID};
 use corsnap_unwind::process::{parse_maps, stack_ranges};
-use corsnap_unwind::{flags, lookup_address, CodeMap, ManagedCode, NativeModule};
+use corsnap_unwind::{flags, lookup_address, CodeMap, HijackStub, ManagedCode, NativeModule};
 use corsnap_wire::NATIVE_FRAME_BIT;
 
 use crate::code_learning::{knows_code, CodeLearner, Learned, STUB_TAG};
@@ -89,6 +89,9 @@ pub struct EventWalker {
     /// The native modules changed since the map was built (else a new map
     /// keeps its native unwinder, and with it every walk cache's rules).
     natives_dirty: bool,
+    /// The runtime's hijack trampoline, once found (see
+    /// `NativeModules::hijack_stub`).
+    hijack_stub: Option<HijackStub>,
     sigreturn: u64,
     learner: CodeLearner,
     symbols: Symbolizer,
@@ -138,6 +141,7 @@ impl EventWalker {
             map: Arc::new(CodeMap::default()),
             map_dirty: true,
             natives_dirty: true,
+            hijack_stub: None,
             sigreturn: SignalSampler::sigreturn_trampoline(),
             learner: CodeLearner::new(info, layout),
             symbols: Symbolizer::default(),
@@ -512,7 +516,12 @@ impl EventWalker {
             return;
         }
         self.loader_counters = counters;
-        let natives = self.native_modules.lock().unwrap_or_else(|p| p.into_inner()).modules_of(objects, tables);
+        let mut native_modules = self.native_modules.lock().unwrap_or_else(|p| p.into_inner());
+        if self.hijack_stub.is_none() {
+            self.hijack_stub = native_modules.hijack_stub(objects);
+        }
+        let natives = native_modules.modules_of(objects, tables);
+        drop(native_modules);
         self.tables_pending = natives.iter().any(NativeModule::table_pending);
         self.natives = natives;
         self.map_dirty = true;
@@ -542,6 +551,7 @@ impl EventWalker {
             Arc::new(if self.natives_dirty {
                 CodeMap::new(self.natives.clone(), self.managed.clone(), self.stacks.clone(), self.sigreturn)
                     .with_roots(roots)
+                    .with_hijack_stub(self.hijack_stub.clone())
             } else {
                 self.map.with_same_natives(self.managed.clone(), self.stacks.clone())
             })

@@ -15,8 +15,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use corsnap_abi::event_walk::{frames_hash, walk_own_stack, Counted, OwnStackCopy, OwnWalk};
+use corsnap_abi::event_walk::{
+    frames_hash, replay_own_stack, walk_own_stack, Counted, OwnStackCopy, OwnWalk, Replayed,
+};
 use corsnap_abi::{ClassID, CorProfilerInfo, ThreadID};
+use corsnap_unwind::{Regs, Walk};
 use corsnap_wire::EventKind;
 
 /// Events waiting beyond this many are dropped (and counted): a program
@@ -267,10 +270,17 @@ pub struct Captured {
 }
 
 /// Walks the calling thread's stack for a queued event: with corsnap's own
-/// unwinder when `native` and it can serve, else `DoStackSnapshot`.
-pub fn capture_own_stack(queue: &EventQueue, info: &CorProfilerInfo, native: bool, thread: ThreadID) -> Captured {
+/// unwinder when `native` and it can serve (from `caller`'s frame if given,
+/// see `walk_own_stack`), else `DoStackSnapshot`.
+pub fn capture_own_stack(
+    queue: &EventQueue,
+    info: &CorProfilerInfo,
+    native: bool,
+    thread: ThreadID,
+    caller: Option<Regs>,
+) -> Captured {
     if native {
-        let walked = walk_own_stack(thread as u64, 0, queue.spill(), |own| Captured {
+        let walked = walk_own_stack(thread as u64, 0, caller, queue.spill(), |own| Captured {
             frames: own.words.to_vec(),
             truncated: own.walk.flags & corsnap_unwind::flags::TRUNCATED != 0,
             raw: Some(RawWalk { flags: own.walk.flags, copy: own.copy }),
@@ -375,9 +385,15 @@ pub struct EventQueue {
 /// A native walk that met code not known yet still hands its copy to the
 /// sampler thread (with no weight: it is learned from, not recorded), as the
 /// floor would otherwise walk unknown code, and copy stacks, for ever.
-pub fn walk_own_stack_only(queue: &EventQueue, info: &CorProfilerInfo, native: bool, thread: ThreadID) {
+pub fn walk_own_stack_only(
+    queue: &EventQueue,
+    info: &CorProfilerInfo,
+    native: bool,
+    thread: ThreadID,
+    caller: Option<Regs>,
+) {
     if native {
-        let walked = walk_own_stack(thread as u64, 0, queue.spill(), |own| {
+        let walked = walk_own_stack(thread as u64, 0, caller, queue.spill(), |own| {
             if own.copy.is_some() {
                 queue.push(PendingEvent {
                     kind: EventKind::Exceptions,
@@ -495,12 +511,21 @@ fn tally_shard(thread: ThreadID) -> usize {
     ((thread as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 61) as usize % TALLY_SHARDS
 }
 
+/// A counted event's key head: what, on which thread, its subject, and how
+/// its stack was walked (the frames follow it in the key).
+#[inline]
+fn key_head(kind: EventKind, thread: ThreadID, os_tid: u32, (word, named): (u64, u64), walk: &Walk) -> [u64; KEY_HEAD] {
+    let truncated = walk.flags & corsnap_unwind::flags::TRUNCATED != 0;
+    let form = (truncated as u64 * TRUNCATED_BIT) | RAW_BIT | named | (u64::from(walk.flags) << 8);
+    [kind as u64, thread as u64, os_tid as u64, word, form]
+}
+
 impl EventQueue {
     /// Counts an event whose subject is a class (an exception's type, a
     /// loaded class), with the calling thread's stack: walked by corsnap's
     /// own unwinder when `native` and it can serve (no allocation, no call
-    /// into the runtime, for a stack whose code is known), else by
-    /// `DoStackSnapshot`.
+    /// into the runtime, for a stack whose code is known; from `caller`'s
+    /// frame if given, see `walk_own_stack`), else by `DoStackSnapshot`.
     ///
     /// `false` (and nothing counted) for a subject a tally cannot hold
     /// ([`Subject::Text`], [`Subject::ClassOr`]).
@@ -513,10 +538,11 @@ impl EventQueue {
         thread: ThreadID,
         os_tid: u32,
         subject: &Subject,
+        caller: Option<Regs>,
         now_ns: impl Fn() -> u64,
     ) -> bool {
         let Some((word, named)) = subject.tally_word() else { return false };
-        if native && self.count_natively(kind, thread, os_tid, (word, named), &now_ns) {
+        if native && self.count_natively(kind, thread, os_tid, (word, named), caller, &now_ns) {
             return true;
         }
         let mut stack = OwnStack::walk(info);
@@ -586,6 +612,35 @@ impl EventQueue {
         types.names.get(place).cloned().unwrap_or_else(|| TOO_MANY_TYPES.to_string())
     }
 
+    /// [`Self::count_event`]'s express lane (`corsnap_abi::event_walk::
+    /// replay_own_stack`), for events from `caller`'s frame: one more of the
+    /// same (the walk a thread kept replays, and the key its last replay
+    /// counted is this event's). `false`, with nothing counted, for anything
+    /// else, which `count_event` then takes.
+    pub fn count_repeated(
+        &self,
+        kind: EventKind,
+        thread: ThreadID,
+        os_tid: u32,
+        subject: &Subject,
+        caller: Regs,
+        now_ns: impl FnOnce() -> u64,
+    ) -> bool {
+        let Some((word, named)) = subject.tally_word() else { return false };
+        replay_own_stack(thread as u64, KEY_HEAD, caller, |Replayed { words, walk, repeats }| {
+            let head = key_head(kind, thread, os_tid, (word, named), walk);
+            let differs = words.iter().zip(&head).fold(0, |differs, (word, new)| differs | (word ^ new));
+            if repeats.head != KEY_HEAD || differs != 0 {
+                return false;
+            }
+            if repeats.count == 0 {
+                repeats.first_ns = now_ns();
+            }
+            repeats.count += 1;
+            true
+        }) == Some(true)
+    }
+
     /// The native walker's half of [`Self::count_event`]; `false` if it
     /// cannot serve (no map yet, a stack the map does not list yet).
     #[inline(never)]
@@ -595,9 +650,10 @@ impl EventQueue {
         thread: ThreadID,
         os_tid: u32,
         (word, named): (u64, u64),
+        caller: Option<Regs>,
         now_ns: impl Fn() -> u64,
     ) -> bool {
-        walk_own_stack(thread as u64, KEY_HEAD, self.spill(), |own| {
+        walk_own_stack(thread as u64, KEY_HEAD, caller, self.spill(), |own| {
             let OwnWalk { words, walk, copy, hash, repeats } = own;
             let truncated = walk.flags & corsnap_unwind::flags::TRUNCATED != 0;
             if copy.is_some() {
@@ -618,8 +674,7 @@ impl EventQueue {
                 });
                 return;
             }
-            let form = (truncated as u64 * TRUNCATED_BIT) | RAW_BIT | named | (u64::from(walk.flags) << 8);
-            let head = [kind as u64, thread as u64, os_tid as u64, word, form];
+            let head = key_head(kind, thread, os_tid, (word, named), walk);
             if let Some(repeats) = repeats {
                 // A replayed walk: an event with the key its last replay
                 // tallied (that head is still in place) is counted on the
@@ -743,7 +798,7 @@ impl EventQueue {
         // The thread that starts a blocking collection is the one that
         // triggered it; its stack says why (a background GC's thread has no
         // managed frames and yields an empty stack).
-        let stack = capture_own_stack(self, info, native, thread);
+        let stack = capture_own_stack(self, info, native, thread, None);
         *self.gc_in_progress.lock().unwrap_or_else(|p| p.into_inner()) =
             Some(GcInProgress { started: Instant::now(), time_ns, generation, reason, thread, os_tid, stack });
     }

@@ -3,12 +3,12 @@
 //! shared by the signal engine and the event walker, which both run on the
 //! sampler thread (the event walker reads them there only).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use corsnap_abi::process::LoadedObject;
 use corsnap_unwind::process::{native_module_without_table, LoadedElf};
-use corsnap_unwind::NativeModule;
+use corsnap_unwind::{parse_hijack_stub, HijackStub, NativeModule, HIJACK_STUB_START};
 
 /// One cache for the sampler thread's walkers (behind a mutex because the
 /// event walker, which holds it, may be lent to another thread; see
@@ -20,6 +20,10 @@ pub(crate) struct NativeModules {
     /// By name and load bias (a library unloaded and loaded again elsewhere
     /// is another module); `None`: not one a walker can use.
     cache: HashMap<(String, u64), Option<NativeModule>>,
+    /// The objects already searched for the runtime's hijack trampoline.
+    searched_for_hijack_stub: HashSet<(String, u64)>,
+    /// The trampoline, once found.
+    hijack_stub: Option<HijackStub>,
 }
 
 impl NativeModules {
@@ -51,4 +55,58 @@ impl NativeModules {
             })
             .collect()
     }
+
+    /// The runtime's hijack trampoline among `objects`, searched for once per
+    /// object for both walkers (the search reads the runtime's code). A map
+    /// that knows it tells a hijacked return address by its value alone;
+    /// without it, each step out of managed code into native code asked the
+    /// thread object (a `process_vm_readv`), and an event walk doing so
+    /// could not be replayed.
+    pub(crate) fn hijack_stub(&mut self, objects: &[LoadedObject]) -> Option<HijackStub> {
+        for o in objects {
+            if self.hijack_stub.is_none() && self.searched_for_hijack_stub.insert((o.name.clone(), o.bias)) {
+                self.hijack_stub = find_hijack_stub(o);
+                if let Some(stub) = &self.hijack_stub {
+                    crate::log::write(format_args!(
+                        "the runtime's hijack trampoline: {:#x}..{:#x}",
+                        stub.range.start, stub.range.end
+                    ));
+                }
+            }
+        }
+        self.hijack_stub.clone()
+    }
+}
+
+/// The runtime's hijack trampoline, if `object` is the runtime (libcoreclr,
+/// or an executable it is linked into: a single-file app): found by its
+/// first bytes in the executable segments, and kept only if its whole shape
+/// is the one [`parse_hijack_stub`] knows. Read once per module, on the
+/// agent's thread.
+fn find_hijack_stub(object: &corsnap_abi::process::LoadedObject) -> Option<HijackStub> {
+    let runtime_candidate = object.name.is_empty() || object.name.ends_with("/libcoreclr.so");
+    if !runtime_candidate {
+        return None;
+    }
+    let mut found = None;
+    for &(stated, size, executable) in &object.segments {
+        if !executable || size == 0 || size > 256 << 20 {
+            continue;
+        }
+        let start = object.bias.wrapping_add(stated);
+        let Some(code) = corsnap_abi::process::read_own_bytes(start, size as usize) else { continue };
+        let mut from = 0;
+        while let Some(at) = code[from..].windows(HIJACK_STUB_START.len()).position(|w| w == HIJACK_STUB_START) {
+            let offset = from + at;
+            if let Some(stub) = parse_hijack_stub(&code[offset..], start + offset as u64) {
+                if found.is_some() {
+                    // Two of them: which one the runtime uses is not known.
+                    return None;
+                }
+                found = Some(stub);
+            }
+            from = offset + 1;
+        }
+    }
+    found
 }

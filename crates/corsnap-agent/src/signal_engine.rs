@@ -27,9 +27,7 @@ use std::time::{Duration, Instant};
 use corsnap_abi::signal::{self, SignalSampler, SlotId};
 use corsnap_abi::FunctionID;
 use corsnap_unwind::process::{parse_maps, stack_ranges};
-use corsnap_unwind::{
-    flags, lookup_address, parse_hijack_stub, CodeMap, HijackStub, ManagedCode, NativeModule, HIJACK_STUB_START,
-};
+use corsnap_unwind::{flags, lookup_address, CodeMap, HijackStub, ManagedCode, NativeModule};
 use corsnap_wire::{CpuClock, SamplerStats, NATIVE_FRAME_BIT, NO_IL_OFFSET};
 
 use crate::code_learning::{knows_code, CodeLearner, Learned, STUB_TAG};
@@ -242,8 +240,6 @@ pub struct SignalEngine {
     loader_counters: (u64, u64),
     natives: Vec<NativeModule>,
     native_modules: SharedNativeModules,
-    /// The objects already searched for the runtime's hijack trampoline.
-    searched_for_hijack_stub: HashSet<(String, u64)>,
     managed: Vec<ManagedCode>,
     stacks: Vec<std::ops::Range<u64>>,
     map: Arc<CodeMap>,
@@ -373,7 +369,6 @@ impl SignalEngine {
             loader_counters: (u64::MAX, u64::MAX),
             natives: Vec::new(),
             native_modules,
-            searched_for_hijack_stub: HashSet::new(),
             managed: Vec::new(),
             stacks: Vec::new(),
             map: Arc::new(CodeMap::default()),
@@ -1230,18 +1225,12 @@ impl SignalEngine {
         }
         self.loader_counters = counters;
         let started = Instant::now();
-        for o in &objects {
-            if self.hijack_stub.is_none() && self.searched_for_hijack_stub.insert((o.name.clone(), o.bias)) {
-                self.hijack_stub = find_hijack_stub(o);
-                if let Some(stub) = &self.hijack_stub {
-                    log::write(format_args!(
-                        "the runtime's hijack trampoline: {:#x}..{:#x}",
-                        stub.range.start, stub.range.end
-                    ));
-                }
-            }
+        let mut native_modules = self.native_modules.lock().unwrap_or_else(|p| p.into_inner());
+        if self.hijack_stub.is_none() {
+            self.hijack_stub = native_modules.hijack_stub(&objects);
         }
-        let natives = self.native_modules.lock().unwrap_or_else(|p| p.into_inner()).modules_of(&objects, true);
+        let natives = native_modules.modules_of(&objects, true);
+        drop(native_modules);
         log::write(format_args!(
             "native modules: {} (read in {:?}; row tables {} KiB)",
             natives.len(),
@@ -1437,39 +1426,6 @@ impl SignalEngine {
 
 fn interval_ns(hz: u32) -> u64 {
     1_000_000_000 / u64::from(hz.clamp(1, crate::MAX_RATE_HZ))
-}
-
-/// The runtime's hijack trampoline, if `object` is the runtime (libcoreclr,
-/// or an executable it is linked into: a single-file app): found by its
-/// first bytes in the executable segments, and kept only if its whole shape
-/// is the one [`parse_hijack_stub`] knows. Read once per module, on the
-/// agent's thread.
-fn find_hijack_stub(object: &corsnap_abi::process::LoadedObject) -> Option<HijackStub> {
-    let runtime_candidate = object.name.is_empty() || object.name.ends_with("/libcoreclr.so");
-    if !runtime_candidate {
-        return None;
-    }
-    let mut found = None;
-    for &(stated, size, executable) in &object.segments {
-        if !executable || size == 0 || size > 256 << 20 {
-            continue;
-        }
-        let start = object.bias.wrapping_add(stated);
-        let Some(code) = corsnap_abi::process::read_own_bytes(start, size as usize) else { continue };
-        let mut from = 0;
-        while let Some(at) = code[from..].windows(HIJACK_STUB_START.len()).position(|w| w == HIJACK_STUB_START) {
-            let offset = from + at;
-            if let Some(stub) = parse_hijack_stub(&code[offset..], start + offset as u64) {
-                if found.is_some() {
-                    // Two of them: which one the runtime uses is not known.
-                    return None;
-                }
-                found = Some(stub);
-            }
-            from = offset + 1;
-        }
-    }
-    found
 }
 
 /// The agent's own threads are named `corsnap-…`.

@@ -133,10 +133,12 @@ pub(crate) fn remove(info: &CorProfilerInfo, hook: &ThrowHook) {
     }
 }
 
-/// The shared state a handler closes over, kept alive by it.
+/// The shared state a handler closes over, kept alive by it. Generic, not
+/// a function pointer: `on_dispatch` is compiled into the closure, with no
+/// second indirect call at every throw.
 pub(crate) fn handler_for(
     shared: Arc<crate::Shared>,
-    on_dispatch: fn(&crate::Shared, usize),
+    on_dispatch: impl Fn(&crate::Shared, usize, corsnap_unwind::Regs) + Send + Sync + 'static,
 ) -> Box<throw_hook::Handler> {
-    Box::new(move |class| on_dispatch(&shared, class))
+    Box::new(move |class, caller| on_dispatch(&shared, class, caller))
 }

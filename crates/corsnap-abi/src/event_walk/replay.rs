@@ -51,6 +51,7 @@ pub(super) struct Start {
 }
 
 impl Start {
+    #[inline]
     pub(super) fn new(generation: u64, regs: Regs, stack: &Range<u64>, runtime_thread: u64) -> Start {
         Start { generation, regs, stack: (stack.start, stack.end), runtime_thread }
     }
@@ -113,6 +114,7 @@ pub struct Counted<'k> {
 
 impl Kept {
     /// Whether every word it read still holds what it held.
+    #[inline]
     fn holds(&mut self, memory: &LiveMemory<'_>) -> bool {
         if !self.reads.holds_one(self.differed, memory) {
             return false;
@@ -178,6 +180,7 @@ impl StackReads {
     }
 
     /// Whether read `i`, if there is one, still finds its word.
+    #[inline]
     fn holds_one(&self, i: usize, memory: &LiveMemory<'_>) -> bool {
         i >= self.len || memory.stack_word(memory.stack.start + u64::from(self.offsets[i])) == Some(self.words[i])
     }
@@ -186,6 +189,7 @@ impl StackReads {
     /// no branch until the end (the reads are independent, so their loads
     /// overlap; the loop that stopped at the first difference spent more
     /// time than its loads on `validate`).
+    #[inline]
     fn hold(&self, memory: &LiveMemory<'_>) -> bool {
         let (offsets, words) = (&self.offsets[..self.len], &self.words[..self.len]);
         let Some(&largest) = offsets.last() else { return true };
@@ -234,6 +238,7 @@ impl Replays {
 
     /// A kept walk from `start` whose every read still finds what it
     /// found: which one (for [`Self::replayed`]).
+    #[inline]
     pub(super) fn replay(&mut self, start: &Start, memory: &LiveMemory<'_>) -> Option<usize> {
         let last = self.last;
         let i = (0..KEPT).map(|k| (last + k) % KEPT).find(|&i| {
@@ -248,6 +253,7 @@ impl Replays {
     /// found before `trim`, its frames after `head` words of room (at most
     /// [`HEAD_ROOM`]) the caller may fill (what it wrote there last time is
     /// still there), their hash, and the events counted on it.
+    #[inline]
     pub(super) fn replayed(&mut self, kept: usize, head: usize) -> (&Walk, usize, &mut [u64], u64, &mut Repeats) {
         let kept = &mut self.kept[kept];
         let used = HEAD_ROOM - head.min(HEAD_ROOM)..HEAD_ROOM + kept.walk.len;
