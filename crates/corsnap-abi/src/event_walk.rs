@@ -68,8 +68,10 @@ use corsnap_unwind::{lookup_address, CodeMap, Regs, Walk, WalkCache};
 
 use crate::signal::{LiveMemory, MAX_FRAMES};
 
+mod express;
 mod replay;
 
+pub use express::count_on_ticket;
 pub use replay::{Counted, Repeats};
 
 /// The map event walks read; replaced whole, freed only when no walk runs.
@@ -523,8 +525,9 @@ pub struct Replayed<'w> {
 }
 
 /// [`walk_own_stack`] from `caller`'s frame when, and only when, a walk
-/// its walker kept replays (see [`replay`]): `use_replay`'s answer, or
-/// `None` with nothing done (no map, no walker free, a stack or start the
+/// its walker kept replays (see [`replay`]): `use_replay`'s answer (whether
+/// it counted the event on the walk, which then earns a ticket of the
+/// thread's own, see [`express`]), or `false` with nothing done (no map, no walker free, a stack or start the
 /// walker has not walked from, a kept walk whose words changed).
 ///
 /// Why a lane of its own: in an exception storm nearly every event is a
@@ -536,38 +539,45 @@ pub struct Replayed<'w> {
 /// the kept walk's start, reads and head, with nothing else inlined
 /// into it but what a replay needs.
 #[inline(never)]
-pub fn replay_own_stack<R>(
+pub fn replay_own_stack(
     runtime_thread: u64,
     head: usize,
     caller: Regs,
-    use_replay: impl FnOnce(Replayed<'_>) -> R,
-) -> Option<R> {
+    use_replay: impl FnOnce(Replayed<'_>) -> bool,
+) -> bool {
     if MAP.load(Ordering::Relaxed).is_null() {
-        return None;
+        return false;
     }
     // Only a pooled walker: one made for the event would have kept nothing.
-    let borrowed = Borrowed::take()?;
+    let Some(borrowed) = Borrowed::take() else { return false };
     // SAFETY: as in `walk_own_stack`: counted in (the pooled walker's slot
     // empty) before the load, and a replaced map is freed only once every
     // walker is back in the pool.
-    let map = unsafe { MAP.load(Ordering::SeqCst).as_ref() }?;
+    let Some(map) = (unsafe { MAP.load(Ordering::SeqCst).as_ref() }) else { return false };
     // SAFETY: as in `walk_own_stack`: the walker is this call's alone until
     // `borrowed` puts it back, and lives until `uninstall`.
     let walker = unsafe { &mut *borrowed.walker };
     // SAFETY: pthread_self has no preconditions.
     let thread = unsafe { libc::pthread_self() } as u64;
-    let stack = walker.last_stack(map.generation(), thread, caller.sp)?;
+    let Some(stack) = walker.last_stack(map.generation(), thread, caller.sp) else { return false };
     let memory = LiveMemory { stack: stack.clone(), map, runtime_thread };
     let Walker { counts, replays, .. } = walker;
     let start = replay::Start::new(map.generation(), caller, &stack, runtime_thread);
-    let kept = replays.replay(&start, &memory)?;
+    let Some(kept) = replays.replay(&start, &memory) else { return false };
     let (walk, found, words, _, repeats) = replays.replayed(kept, head);
     for (count, add) in counts.iter_mut().zip([1, found, 0, 0, 1]) {
         *count += add as u64;
     }
-    let result = use_replay(Replayed { words, walk, repeats });
+    let counted = use_replay(Replayed { words, walk, repeats });
+    if counted {
+        // One more of the same: the walk is worth a ticket of the thread's
+        // own, which counts the next ones with less (see `express`).
+        if let Some(view) = replays.kept_view(kept, head) {
+            express::issue(&view);
+        }
+    }
     drop(borrowed);
-    Some(result)
+    counted
 }
 
 /// A hash of a walk's frames (never 0), for an event tally's key: the
@@ -699,6 +709,7 @@ pub fn take_repeats(deadline: Option<Instant>, mut take: impl FnMut(Counted<'_>)
         unsafe { (*walker).replays.take_repeats(&mut take) };
         slot.0.store(walker, Ordering::Release);
     }
+    express::take_counts(&mut take);
 }
 
 /// The agent's handle on what event walks read: publishes maps, frees
@@ -718,6 +729,9 @@ impl EventMap {
         if INSTALLED.swap(true, Ordering::SeqCst) {
             return None;
         }
+        // Events counted on tickets after the last recording's last take
+        // (at its very end) are not this one's.
+        express::take_counts(&mut |_| {});
         for slot in &CACHE_POOL {
             // Read at every event (see `hot_memory`).
             let cache = Box::into_raw(crate::hot_memory::allocate_hot(Walker::new));
@@ -734,6 +748,7 @@ impl EventMap {
     /// Makes `map` the one walks read from now on.
     pub fn publish(&mut self, map: Arc<CodeMap>) {
         MAP.store(Arc::as_ptr(&map) as *mut CodeMap, Ordering::SeqCst);
+        express::GENERATION.store(map.generation(), Ordering::Release);
         CODE_UNKNOWN.store(false, Ordering::Relaxed);
         if let Some(old) = self.current.replace(map) {
             self.retired.push(old);
@@ -757,6 +772,7 @@ impl EventMap {
 
     fn leave(&mut self, timeout: Duration) -> bool {
         self.left = true;
+        express::GENERATION.store(0, Ordering::Release);
         MAP.store(null_mut(), Ordering::SeqCst);
         let deadline = Instant::now() + timeout;
         while !none_in_flight() {
@@ -813,7 +829,7 @@ mod tests {
 
     /// Held by a test that installs the event map (one process-wide map:
     /// two tests installing at once would find it taken).
-    static MAP_OF_A_TEST: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    pub(super) static MAP_OF_A_TEST: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
     fn own_code_map(with_stacks: bool) -> CodeMap {
         let (objects, _) = crate::process::loaded_objects();
@@ -906,7 +922,11 @@ mod tests {
         let of = |walk: &Walk| (walk.flags, walk.sp);
         let leaf = walk_own_stack(0, 0, None, |_| {}, |own| of(own.walk)).ok();
         let from_caller = walk_own_stack(0, 0, Some(caller), |_| {}, |own| of(own.walk)).ok();
-        let replayed = replay_own_stack(0, 0, caller, |r| of(r.walk));
+        let mut replayed = None;
+        replay_own_stack(0, 0, caller, |r| {
+            replayed = Some(of(r.walk));
+            false
+        });
         // SAFETY: `out` is the caller's array, written once.
         unsafe { out.write([leaf, from_caller, replayed]) };
     }

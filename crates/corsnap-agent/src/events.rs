@@ -16,7 +16,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use corsnap_abi::event_walk::{
-    frames_hash, replay_own_stack, walk_own_stack, Counted, OwnStackCopy, OwnWalk, Replayed,
+    count_on_ticket, frames_hash, replay_own_stack, walk_own_stack, Counted, OwnStackCopy, OwnWalk, Replayed,
 };
 use corsnap_abi::{ClassID, CorProfilerInfo, ThreadID};
 use corsnap_unwind::{Regs, Walk};
@@ -612,10 +612,11 @@ impl EventQueue {
         types.names.get(place).cloned().unwrap_or_else(|| TOO_MANY_TYPES.to_string())
     }
 
-    /// [`Self::count_event`]'s express lane (`corsnap_abi::event_walk::
-    /// replay_own_stack`), for events from `caller`'s frame: one more of the
-    /// same (the walk a thread kept replays, and the key its last replay
-    /// counted is this event's). `false`, with nothing counted, for anything
+    /// [`Self::count_event`]'s express lane, for events from `caller`'s
+    /// frame: one more of the same, on a ticket of the thread's own
+    /// (`corsnap_abi::event_walk::count_on_ticket`), or on the walk its
+    /// walker kept (`replay_own_stack`: the walk replays, and the key its
+    /// last replay counted is this event's). `false`, with nothing counted, for anything
     /// else, which `count_event` then takes.
     pub fn count_repeated(
         &self,
@@ -624,9 +625,15 @@ impl EventQueue {
         os_tid: u32,
         subject: &Subject,
         caller: Regs,
-        now_ns: impl FnOnce() -> u64,
+        now_ns: impl Fn() -> u64,
     ) -> bool {
         let Some((word, named)) = subject.tally_word() else { return false };
+        // The key's head but its last word (how the stack was walked: the
+        // ticket's walk decides it).
+        let opens = [kind as u64, thread as u64, os_tid as u64, word];
+        if count_on_ticket(thread as u64, caller, &opens, &now_ns) {
+            return true;
+        }
         replay_own_stack(thread as u64, KEY_HEAD, caller, |Replayed { words, walk, repeats }| {
             let head = key_head(kind, thread, os_tid, (word, named), walk);
             let differs = words.iter().zip(&head).fold(0, |differs, (word, new)| differs | (word ^ new));
@@ -638,7 +645,7 @@ impl EventQueue {
             }
             repeats.count += 1;
             true
-        }) == Some(true)
+        })
     }
 
     /// The native walker's half of [`Self::count_event`]; `false` if it

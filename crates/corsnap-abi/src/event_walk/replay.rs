@@ -33,7 +33,7 @@ use crate::signal::LiveMemory;
 /// reads about two a frame).
 const READS: usize = 160;
 /// Frames a kept walk may have.
-const FRAMES: usize = 128;
+pub(super) const FRAMES: usize = 128;
 /// Words kept before a kept walk's frames, for the caller's head.
 const HEAD_ROOM: usize = super::HEAD_ROOM;
 /// Walks each walker keeps (a thread's kinds of event, and the places they
@@ -210,6 +210,16 @@ impl StackReads {
     }
 }
 
+/// A kept walk's parts, borrowed ([`Replays::kept_view`]).
+pub(super) struct KeptView<'k> {
+    pub(super) start: &'k Start,
+    /// Offsets from `start.stack.0`, ascending, inside the stack.
+    pub(super) offsets: &'k [u32],
+    pub(super) words: &'k [u64],
+    pub(super) key: &'k [u64],
+    pub(super) frames_hash: u64,
+}
+
 /// A walker's kept walks.
 pub(super) struct Replays {
     kept: Box<[Kept; KEPT]>,
@@ -258,6 +268,21 @@ impl Replays {
         let kept = &mut self.kept[kept];
         let used = HEAD_ROOM - head.min(HEAD_ROOM)..HEAD_ROOM + kept.walk.len;
         (&kept.walk, kept.found, kept.words.get_mut(used).unwrap_or_default(), kept.frames_hash, &mut kept.repeats)
+    }
+
+    /// Kept walk `kept` as [`super::express`] copies it into a ticket: where
+    /// it starts, its reads, its key (`head` words of the caller's, then
+    /// the frames) and the frames' hash.
+    pub(super) fn kept_view(&self, kept: usize, head: usize) -> Option<KeptView<'_>> {
+        let kept = self.kept.get(kept)?;
+        let reads = &kept.reads;
+        Some(KeptView {
+            start: kept.start.as_ref()?,
+            offsets: &reads.offsets[..reads.len],
+            words: &reads.words[..reads.len],
+            key: kept.words.get(HEAD_ROOM.checked_sub(head)?..HEAD_ROOM + kept.walk.len)?,
+            frames_hash: kept.frames_hash,
+        })
     }
 
     /// Hands `take` each kept walk's counted events ([`Counted`]), and
