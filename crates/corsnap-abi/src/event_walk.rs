@@ -677,6 +677,7 @@ pub fn take_stacks_stale() -> bool {
 
 /// Whether the agent's thread should be woken now to read the stacks again
 /// (true once per stale map: one load when there is nothing to do).
+#[inline]
 pub fn take_wake_request() -> bool {
     WAKE_WANTED.load(Ordering::Relaxed) && WAKE_WANTED.swap(false, Ordering::Relaxed)
 }

@@ -21,27 +21,57 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 
 use corsnap_unwind::Regs;
 
-/// What the entry point runs, given the exception's `ClassID` and the
-/// registers of the rewritten `DispatchEx`'s frame as the call returns to
-/// it (where a walk of the throwing thread's stack starts: the agent's own
-/// frames are not walked).
-pub type Handler = dyn Fn(usize, Regs) + Send + Sync;
+/// What the entry point runs: a function of the agent's, given its context,
+/// the exception's `ClassID` and the registers of the rewritten
+/// `DispatchEx`'s frame as the call returns to it (where a walk of the
+/// throwing thread's stack starts: the agent's own frames are not walked).
+#[derive(Debug)]
+pub struct Handler {
+    run: unsafe fn(*const (), usize, Regs),
+    context: *const (),
+}
 
-/// The handler (a leaked `Box<Box<Handler>>`, for a thin pointer), null for
-/// none.
-static HANDLER: AtomicPtr<Box<Handler>> = AtomicPtr::new(std::ptr::null_mut());
+impl Handler {
+    /// `run` with `context`. Both are leaked (see [`set_handler`]). `run`
+    /// is a function's own type (not a pointer to one), so the code that
+    /// calls it is made for it, and it is compiled into that code: one
+    /// indirect call a throw, into the section the entry point is in.
+    pub fn new<C, F>(context: std::sync::Arc<C>, run: F) -> Handler
+    where
+        C: Send + Sync + 'static,
+        F: Fn(&C, usize, Regs) + Send + Sync + 'static,
+    {
+        let context: *const (std::sync::Arc<C>, F) = Box::into_raw(Box::new((context, run)));
+        Handler { run: run_handler::<C, F>, context: context.cast() }
+    }
+}
+
+/// Calls a handler's function with its context.
+///
+/// # Safety
+/// `context` is the leaked `(Arc<C>, F)` of a [`Handler`] made for `C` and
+/// `F`.
+#[link_section = ".text.hot.corsnap_throw"]
+unsafe fn run_handler<C, F: Fn(&C, usize, Regs)>(context: *const (), class: usize, caller: Regs) {
+    // SAFETY: as the caller promises; never freed.
+    let (context, run) = unsafe { &*context.cast::<(std::sync::Arc<C>, F)>() };
+    run(context, class, caller);
+}
+
+/// The handler (leaked), null for none.
+static HANDLER: AtomicPtr<Handler> = AtomicPtr::new(std::ptr::null_mut());
 
 /// Makes [`corsnap_exception_dispatched`] run `handler` (or nothing).
 ///
-/// A handler replaced is leaked, never freed: a call may still be running
-/// it. That is safe and bounded because the library is never unloaded
-/// once the hook was asked for: a profiler that enabled ReJIT may not
-/// detach (the runtime's `EnsureProfilerDetachable`), so no call can
-/// outlive the code or the handler it runs. One closure a recording is the
-/// price of an entry point with no read-modify-write: counting the calls in
-/// flight (even on per-thread stripes) was a tenth of corsnap's share of an
-/// exception storm's CPU.
-pub fn set_handler(handler: Option<Box<Handler>>) {
+/// A handler replaced is leaked, never freed (with its context): a call
+/// may still be running it. That is safe and bounded because the library
+/// is never unloaded once the hook was asked for: a profiler that enabled
+/// ReJIT may not detach (the runtime's `EnsureProfilerDetachable`), so no
+/// call can outlive the code or the handler it runs. One handler a
+/// recording is the price of an entry point with no read-modify-write:
+/// counting the calls in flight (even on per-thread stripes) was a tenth of
+/// corsnap's share of an exception storm's CPU.
+pub fn set_handler(handler: Option<Handler>) {
     let new = handler.map_or(std::ptr::null_mut(), |h| Box::into_raw(Box::new(h)));
     HANDLER.swap(new, Ordering::AcqRel);
 }
@@ -57,6 +87,7 @@ pub fn set_handler(handler: Option<Box<Handler>>) {
 /// stack words at every throw.
 #[unsafe(naked)]
 #[no_mangle]
+#[link_section = ".text.hot.corsnap_throw"]
 pub extern "C" fn corsnap_exception_dispatched(method_table: usize) {
     // rdi (the `MethodTable`) is passed on as it came; the stack is as the
     // call left it, so the jump is a tail call with the caller's alignment.
@@ -70,6 +101,7 @@ pub extern "C" fn corsnap_exception_dispatched(method_table: usize) {
 
 /// [`corsnap_exception_dispatched`]'s body: `return_slot` is where the call
 /// left its return address, `caller_bp` the caller's frame pointer.
+#[link_section = ".text.hot.corsnap_throw"]
 extern "C" fn exception_dispatched_from(method_table: usize, return_slot: *const u64, caller_bp: u64) {
     let handler = HANDLER.load(Ordering::Acquire);
     if handler.is_null() {
@@ -82,9 +114,12 @@ extern "C" fn exception_dispatched_from(method_table: usize, return_slot: *const
     let caller = Regs { ip: unsafe { return_slot.read() }, sp: return_slot as u64 + 8, bp: caller_bp };
     // SAFETY: a handler is never freed (see `set_handler`), and was fully
     // written before its pointer was published (release/acquire).
-    let handler = unsafe { &*handler };
+    let Handler { run, context } = unsafe { &*handler };
     // No panic unwinds into the managed caller.
-    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler(method_table, caller)));
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: `context` is the one `Handler::new` made for `run`.
+        unsafe { run(*context, method_table, caller) }
+    }));
 }
 
 /// The `calli` signature: `unmanaged cdecl void (native int)`

@@ -84,7 +84,7 @@ fn core_library(info: &CorProfilerInfo) -> Result<Option<ModuleID>, String> {
 
 /// Builds the rewritten `DispatchEx` and asks for its ReJIT. `Ok(false)`:
 /// CoreLib is not loaded yet (ask again later).
-pub(crate) fn request(info: &CorProfilerInfo, handler: Box<throw_hook::Handler>) -> Result<bool, String> {
+pub(crate) fn request(info: &CorProfilerInfo, handler: throw_hook::Handler) -> Result<bool, String> {
     let Some(core) = core_library(info)? else { return Ok(false) };
     let step = |what: &str, r: HResult<MdToken>| r.map_err(|e| format!("{what}: {e}"));
     let import = info.get_module_metadata(core).map_err(|e| format!("CoreLib's metadata: {e}"))?;
@@ -133,12 +133,11 @@ pub(crate) fn remove(info: &CorProfilerInfo, hook: &ThrowHook) {
     }
 }
 
-/// The shared state a handler closes over, kept alive by it. Generic, not
-/// a function pointer: `on_dispatch` is compiled into the closure, with no
-/// second indirect call at every throw.
+/// The handler of a recording: `on_dispatch` with the recording's shared
+/// state, kept alive by it.
 pub(crate) fn handler_for(
     shared: Arc<crate::Shared>,
     on_dispatch: impl Fn(&crate::Shared, usize, corsnap_unwind::Regs) + Send + Sync + 'static,
-) -> Box<throw_hook::Handler> {
-    Box::new(move |class, caller| on_dispatch(&shared, class, caller))
+) -> throw_hook::Handler {
+    throw_hook::Handler::new(shared, on_dispatch)
 }

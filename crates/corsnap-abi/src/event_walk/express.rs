@@ -173,6 +173,7 @@ impl Check {
 /// them, which its walk decides). `false`, with nothing counted, when no
 /// ticket serves.
 #[inline(never)]
+#[link_section = ".text.hot.corsnap_throw"]
 pub fn count_on_ticket(runtime_thread: u64, caller: Regs, head: &[u64], now_ns: impl FnOnce() -> u64) -> bool {
     let generation = GENERATION.load(Ordering::Acquire);
     let Ok(own) = OWN.try_with(Cell::get) else { return false };
