@@ -511,6 +511,37 @@ pub fn walk_own_stack<R>(
     Ok(result)
 }
 
+/// The registers of the calling function's frame as this call returns to
+/// it: a start for [`walk_own_stack`]'s `caller` that stays the same for
+/// every event through the same call (a walk from inside `walk_own_stack`
+/// starts at the same place too, but a ticket is checked before any walk,
+/// see [`count_on_ticket`]). Inlined, so the call below is the caller's own.
+#[inline(always)]
+pub fn callers_frame() -> Regs {
+    let mut words = [0u64; 3];
+    // SAFETY: writes three words into `words`, and reads the stack slot
+    // the call just pushed.
+    unsafe { read_callers_frame(&mut words) };
+    Regs { ip: words[0], sp: words[1], bp: words[2] }
+}
+
+/// Writes the return address, the stack pointer after the return and the
+/// caller's `rbp` into `out`.
+///
+/// # Safety
+/// `out` is valid for three words' writes.
+#[unsafe(naked)]
+unsafe extern "C" fn read_callers_frame(out: *mut [u64; 3]) {
+    std::arch::naked_asm!(
+        "mov rax, [rsp]",
+        "mov [rdi], rax",
+        "lea rax, [rsp + 8]",
+        "mov [rdi + 8], rax",
+        "mov [rdi + 16], rbp",
+        "ret",
+    )
+}
+
 /// A kept walk replayed by [`replay_own_stack`]: as [`OwnWalk`] hands a
 /// replayed one over.
 #[derive(Debug)]

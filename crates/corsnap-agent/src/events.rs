@@ -16,7 +16,8 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use corsnap_abi::event_walk::{
-    count_on_ticket, frames_hash, replay_own_stack, walk_own_stack, Counted, OwnStackCopy, OwnWalk, Replayed,
+    callers_frame, count_on_ticket, frames_hash, replay_own_stack, walk_own_stack, Counted, OwnStackCopy, OwnWalk,
+    Replayed,
 };
 use corsnap_abi::{ClassID, CorProfilerInfo, ThreadID};
 use corsnap_unwind::{Regs, Walk};
@@ -612,22 +613,22 @@ impl EventQueue {
         types.names.get(place).cloned().unwrap_or_else(|| TOO_MANY_TYPES.to_string())
     }
 
-    /// [`Self::count_event`]'s express lane, for events from `caller`'s
+    /// [`Self::count_natively`]'s express lane, for events from `caller`'s
     /// frame: one more of the same, on a ticket of the thread's own
     /// (`corsnap_abi::event_walk::count_on_ticket`), or on the walk its
     /// walker kept (`replay_own_stack`: the walk replays, and the key its
-    /// last replay counted is this event's). `false`, with nothing counted, for anything
-    /// else, which `count_event` then takes.
-    pub fn count_repeated(
+    /// last replay counted is this event's). `false`, with nothing counted,
+    /// for anything else, which a walk then takes.
+    #[inline(always)]
+    fn count_repeated(
         &self,
         kind: EventKind,
         thread: ThreadID,
         os_tid: u32,
-        subject: &Subject,
+        (word, named): (u64, u64),
         caller: Regs,
         now_ns: impl Fn() -> u64,
     ) -> bool {
-        let Some((word, named)) = subject.tally_word() else { return false };
         // The key's head but its last word (how the stack was walked: the
         // ticket's walk decides it).
         let opens = [kind as u64, thread as u64, os_tid as u64, word];
@@ -651,6 +652,7 @@ impl EventQueue {
     /// The native walker's half of [`Self::count_event`]; `false` if it
     /// cannot serve (no map yet, a stack the map does not list yet).
     #[inline(never)]
+    #[link_section = ".text.hot.corsnap_throw"]
     fn count_natively(
         &self,
         kind: EventKind,
@@ -660,7 +662,19 @@ impl EventQueue {
         caller: Option<Regs>,
         now_ns: impl Fn() -> u64,
     ) -> bool {
-        walk_own_stack(thread as u64, KEY_HEAD, caller, self.spill(), |own| {
+        // Where the walk starts: the frame the event came from (the
+        // dispatch hook's), else this function's own, as this call returns
+        // to it: the same start for every event through the same calls, so
+        // a ticket serves them (a `match`, not a closure: the call must be
+        // this function's own).
+        let caller = match caller {
+            Some(caller) => caller,
+            None => callers_frame(),
+        };
+        if self.count_repeated(kind, thread, os_tid, (word, named), caller, &now_ns) {
+            return true;
+        }
+        walk_own_stack(thread as u64, KEY_HEAD, Some(caller), self.spill(), |own| {
             let OwnWalk { words, walk, copy, hash, repeats } = own;
             let truncated = walk.flags & corsnap_unwind::flags::TRUNCATED != 0;
             if copy.is_some() {

@@ -53,6 +53,10 @@ const TICKETS: usize = 2;
 /// the walkers' pool as before.
 const THREADS: usize = 256;
 
+/// Takes of the counts per look for threads that are gone (the sampler
+/// thread takes every 50 ms).
+const LOOK_FOR_THE_DEAD_EVERY: u64 = 20;
+
 /// The generation of the map walks read now, 0 for none: a ticket of
 /// another generation does not serve.
 pub(super) static GENERATION: AtomicU64 = AtomicU64::new(0);
@@ -202,6 +206,10 @@ pub fn count_on_ticket(runtime_thread: u64, caller: Regs, head: &[u64], now_ns: 
             continue;
         }
         let count = ticket.count.load(Ordering::Relaxed);
+        // The first event since the agent's last take. (An event counted
+        // while the agent takes, between its load of `count` and its store
+        // of `seen`, finds them unequal and keeps the time before: its
+        // batch's time is one take early.)
         if count == ticket.seen.0.load(Ordering::Acquire) {
             ticket.first_ns.store(now_ns(), Ordering::Relaxed);
         }
@@ -293,6 +301,10 @@ pub(super) fn take_counts(take: &mut impl FnMut(Counted<'_>)) {
     let Ok(mut registry) = REGISTRY.lock() else { return };
     // SAFETY: getpid has no preconditions.
     let pid = unsafe { libc::getpid() };
+    // Whether each owner is still alive is asked at one take in
+    // `LOOK_FOR_THE_DEAD_EVERY` (a system call per thread).
+    static TAKES: AtomicU64 = AtomicU64::new(0);
+    let look_for_the_dead = TAKES.fetch_add(1, Ordering::Relaxed).is_multiple_of(LOOK_FOR_THE_DEAD_EVERY);
     registry.retain(|owned| {
         // SAFETY: registered tickets are freed only here, below.
         let tickets = unsafe { &*owned.0 };
@@ -315,7 +327,8 @@ pub(super) fn take_counts(take: &mut impl FnMut(Counted<'_>)) {
             ticket.seen.0.store(count, Ordering::Release);
         }
         // SAFETY: tgkill with signal 0 only checks that the thread exists.
-        let gone = unsafe { libc::syscall(libc::SYS_tgkill, pid, tickets.tid, 0) } == -1
+        let gone = look_for_the_dead
+            && unsafe { libc::syscall(libc::SYS_tgkill, pid, tickets.tid, 0) } == -1
             && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
         if gone {
             // SAFETY: made by Box::into_raw in `own_tickets`; the thread that
