@@ -620,7 +620,22 @@ impl EventQueue {
     /// last replay counted is this event's). `false`, with nothing counted,
     /// for anything else, which a walk then takes.
     #[inline(always)]
-    fn count_repeated(
+    pub fn count_repeated(
+        &self,
+        kind: EventKind,
+        thread: ThreadID,
+        os_tid: u32,
+        subject: &Subject,
+        caller: Regs,
+        now_ns: impl Fn() -> u64,
+    ) -> bool {
+        let Some(tally_word) = subject.tally_word() else { return false };
+        self.count_repeated_word(kind, thread, os_tid, tally_word, caller, now_ns)
+    }
+
+    /// [`Self::count_repeated`] of a subject's tally word.
+    #[inline(always)]
+    fn count_repeated_word(
         &self,
         kind: EventKind,
         thread: ThreadID,
@@ -671,7 +686,7 @@ impl EventQueue {
             Some(caller) => caller,
             None => callers_frame(),
         };
-        if self.count_repeated(kind, thread, os_tid, (word, named), caller, &now_ns) {
+        if self.count_repeated_word(kind, thread, os_tid, (word, named), caller, &now_ns) {
             return true;
         }
         walk_own_stack(thread as u64, KEY_HEAD, Some(caller), self.spill(), |own| {
