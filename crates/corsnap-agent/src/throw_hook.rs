@@ -15,7 +15,7 @@
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use corsnap_abi::{throw_hook, CorProfilerInfo, FunctionControl, HResult, MdToken, ModuleID};
 
@@ -131,13 +131,4 @@ pub(crate) fn remove(info: &CorProfilerInfo, hook: &ThrowHook) {
             crate::log::write(format_args!("RequestRevert of DispatchEx: {e}"));
         }
     }
-}
-
-/// The handler of a recording: `on_dispatch` with the recording's shared
-/// state, kept alive by it.
-pub(crate) fn handler_for(
-    shared: Arc<crate::Shared>,
-    on_dispatch: impl Fn(&crate::Shared, usize, corsnap_unwind::Regs) + Send + Sync + 'static,
-) -> throw_hook::Handler {
-    throw_hook::Handler::new(shared, on_dispatch)
 }
