@@ -42,6 +42,8 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
+use crate::large_blocks;
+
 /// The reservation's size: address space only (`MAP_NORESERVE`), backed as
 /// it is touched.
 const RESERVATION: usize = 128 << 20;
@@ -421,12 +423,16 @@ impl HotAwareAllocator {
 // SAFETY: blocks from the reservation are at least `layout.size()` bytes
 // and aligned to their own size, which is at least `layout.align()`; a
 // block is handed out once until it is freed, and freed to the list of the
-// class its layout gives, the one it was taken from. Everything else is the
-// system allocator's, called with the same arguments.
+// class its layout gives, the one it was taken from. A large block outside
+// the reservation is a mapping of its own (`large_blocks`), made, resized
+// and unmapped with the layout it was made for (the size alone says which
+// it is: a caller frees with the layout it allocated with). Everything else
+// is the system allocator's, called with the same arguments.
 unsafe impl GlobalAlloc for HotAwareAllocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         match Self::hot_block(layout) {
             Some(p) => p,
+            None if large_blocks::is_large(layout) => large_blocks::map(layout),
             // SAFETY: the caller's contract, passed on.
             None => unsafe { System.alloc(layout) },
         }
@@ -439,6 +445,8 @@ unsafe impl GlobalAlloc for HotAwareAllocator {
                 unsafe { p.write_bytes(0, layout.size()) };
                 p
             }
+            // A fresh mapping is zeroed.
+            None if large_blocks::is_large(layout) => large_blocks::map(layout),
             // SAFETY: the caller's contract, passed on.
             None => unsafe { System.alloc_zeroed(layout) },
         }
@@ -449,9 +457,14 @@ unsafe impl GlobalAlloc for HotAwareAllocator {
             if let Some(class) = class_of(layout) {
                 with_arena(|a| a.release(ptr as usize, class));
             }
+        } else if large_blocks::is_large(layout) {
+            // SAFETY: a large block outside the reservation is one
+            // `large_blocks::map` made for this layout.
+            unsafe { large_blocks::unmap(ptr, layout) }
         } else {
             // SAFETY: the caller's contract: a block the system allocator
-            // gave (the reservation's are all inside it).
+            // gave (the reservation's are all inside it, large ones are
+            // mapped by `large_blocks`).
             unsafe { System.dealloc(ptr, layout) }
         }
     }
@@ -459,8 +472,15 @@ unsafe impl GlobalAlloc for HotAwareAllocator {
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let hot_now = HOT_THREAD.load(Ordering::Relaxed) == current_thread();
         if !in_reservation(ptr) && !hot_now {
-            // SAFETY: the caller's contract, passed on.
-            return unsafe { System.realloc(ptr, layout, new_size) };
+            if large_blocks::can_remap(layout, new_size) {
+                // SAFETY: a large block outside the reservation, mapped by
+                // `large_blocks` for `layout`, whose alignment it checked.
+                return unsafe { large_blocks::remap(ptr, layout, new_size) };
+            }
+            if !large_blocks::is_large(layout) && new_size < large_blocks::LARGE {
+                // SAFETY: the caller's contract, passed on.
+                return unsafe { System.realloc(ptr, layout, new_size) };
+            }
         }
         // SAFETY: the caller guarantees a valid layout for `new_size`.
         let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };

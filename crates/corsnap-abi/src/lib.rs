@@ -22,6 +22,7 @@ pub mod first_chance;
 pub mod hot_memory;
 pub mod il;
 mod info;
+mod large_blocks;
 mod metadata;
 mod native_thread;
 pub mod os;
