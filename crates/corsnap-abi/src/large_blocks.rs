@@ -8,19 +8,15 @@
 //! `malloc/malloc.c`'s `free`). From then on the application's requests
 //! below the new threshold come from the heap, and a `calloc` from the heap
 //! must clear its memory, where a fresh mapping came cleared by the kernel.
-//! Measured on .NET 10 (`bench/events.py`'s `alloc`, `-e alloc`): the
-//! agent's sampler thread freed one such block of its own early in the
-//! run (`perf probe` on glibc's `munmap_chunk`: the only one in the
-//! application's process), and recording cost 4.2% against 2.8% with the
-//! agent's large blocks mapped here (20 interleaved rounds, paired medians),
-//! where the runtime's delivery of its allocation events alone costs about
-//! 1.5%. Before, the extra cost came with the first event walk (a
-//! recording that walked once cost as much as one that walked a thousand
-//! times a second; one that never walked, about 2 points less), `perf` put
-//! it on the runtime's own `memset`, not on corsnap's code, and fixing the
-//! threshold
-//! (`GLIBC_TUNABLES=glibc.malloc.mmap_threshold=131072`, which turns the
-//! dynamic threshold off) took it away too.
+//! On .NET 10 (`bench/events.py`'s `alloc`, `-e alloc`) the agent's
+//! sampler thread freed one such block of its own early in the run (`perf
+//! probe` on glibc's `munmap_chunk`: the only one in the application's
+//! process). How much that cost the program is within this VM's noise:
+//! recording cost +2.8% against +4.2% for the build before in one run of 20
+//! interleaved rounds (paired medians), then +3.2/+2.5, +3.2/+3.1 and
+//! +2.8/+3.0 in three more; the runtime's delivery of its allocation
+//! events alone costs 1 to 3%. Whatever it costs, an agent has no business
+//! changing the application's allocator settings.
 //!
 //! So every block of [`LARGE`] bytes or more the agent allocates (outside
 //! its hot arena, see [`crate::hot_memory`]) is an anonymous mapping made
