@@ -131,36 +131,10 @@ fn class_size(class: usize) -> usize {
 /// Maps the reservation, 2 MiB-aligned, asking for huge pages; 0 if the
 /// kernel refuses the mapping.
 fn reserve() -> usize {
-    // SAFETY: a new private anonymous mapping, no address asked for.
-    let raw = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            RESERVATION + HUGE_PAGE,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    if raw == libc::MAP_FAILED {
-        return 0;
-    }
-    let raw = raw as usize;
-    let base = raw.next_multiple_of(HUGE_PAGE);
-    // SAFETY: both trims lie inside the mapping just made, which nothing
-    // else refers to yet.
-    unsafe {
-        if base > raw {
-            libc::munmap(raw as *mut libc::c_void, base - raw);
-        }
-        let end = base + RESERVATION;
-        let raw_end = raw + RESERVATION + HUGE_PAGE;
-        if raw_end > end {
-            libc::munmap(end as *mut libc::c_void, raw_end - end);
-        }
-        // A hint: refused (THP off), the memory is ordinary pages.
-        libc::madvise(base as *mut libc::c_void, RESERVATION, libc::MADV_HUGEPAGE);
-    }
+    let Some(base) = large_blocks::map_aligned(RESERVATION, HUGE_PAGE, libc::MAP_NORESERVE) else { return 0 };
+    // A hint: refused (THP off), the memory is ordinary pages.
+    // SAFETY: the reservation just mapped, which nothing refers to yet.
+    unsafe { libc::madvise(base as *mut libc::c_void, RESERVATION, libc::MADV_HUGEPAGE) };
     base
 }
 

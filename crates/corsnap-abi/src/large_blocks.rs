@@ -32,7 +32,8 @@ pub const LARGE: usize = 128 << 10;
 /// The page size on x86-64 Linux, the only target of the agent.
 const PAGE: usize = 4096;
 
-/// Whether a block of this layout is one of ours.
+/// Whether a block of this layout is mapped here when the hot arena does
+/// not serve it.
 #[inline]
 pub fn is_large(layout: Layout) -> bool {
     layout.size() >= LARGE
@@ -44,42 +45,46 @@ fn mapped_len(size: usize) -> usize {
 
 /// A new zeroed mapping for `layout` (a large one), or null.
 pub fn map(layout: Layout) -> *mut u8 {
-    let len = mapped_len(layout.size());
-    // Alignments above a page (rare): map more, keep an aligned span.
-    let extra = if layout.align() > PAGE { layout.align() } else { 0 };
-    // SAFETY: a fresh private anonymous mapping; no memory of anyone's is
-    // touched.
+    map_aligned(mapped_len(layout.size()), layout.align(), 0).map_or(null_mut(), |start| start as *mut u8)
+}
+
+/// A new private anonymous read-write mapping of `len` bytes (a multiple
+/// of the page) starting at a multiple of `align` (a power of two), with
+/// `flags` added to `MAP_PRIVATE | MAP_ANONYMOUS`; `None` if the kernel
+/// refuses. Above a page, the alignment is had by mapping `align` bytes
+/// more and unmapping what lies outside the aligned span.
+pub(crate) fn map_aligned(len: usize, align: usize, flags: libc::c_int) -> Option<usize> {
+    let extra = if align > PAGE { align } else { 0 };
+    // SAFETY: a fresh private anonymous mapping, no address asked for; no
+    // memory of anyone's is touched.
     let raw = unsafe {
         libc::mmap(
             null_mut(),
             len + extra,
             libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | flags,
             -1,
             0,
         )
     };
     if raw == libc::MAP_FAILED {
-        return null_mut();
+        return None;
     }
     let raw = raw as usize;
-    if extra == 0 {
-        return raw as *mut u8;
-    }
-    let start = raw.next_multiple_of(layout.align());
-    // SAFETY: the head and tail are parts of the mapping just made, outside
-    // the span kept; both are page-aligned (the alignment is a multiple of
-    // the page).
+    let start = raw.next_multiple_of(align.max(PAGE));
+    // SAFETY: the head and tail are parts of the mapping just made, which
+    // nothing refers to yet, outside the span kept; both are page-aligned
+    // (the alignment is a multiple of the page).
     unsafe {
         if start > raw {
             libc::munmap(raw as *mut libc::c_void, start - raw);
         }
-        let end = start + len;
-        if raw + len + extra > end {
-            libc::munmap(end as *mut libc::c_void, raw + len + extra - end);
+        let (end, raw_end) = (start + len, raw + len + extra);
+        if raw_end > end {
+            libc::munmap(end as *mut libc::c_void, raw_end - end);
         }
     }
-    start as *mut u8
+    Some(start)
 }
 
 /// Unmaps a block [`map`] made for `layout`.
