@@ -219,6 +219,8 @@ pub mod hr {
     pub const DIAGIPC_E_UNKNOWN_COMMAND: HRESULT = 0x8013_1385_u32 as i32;
     pub const DIAGIPC_E_UNKNOWN_MAGIC: HRESULT = 0x8013_1386_u32 as i32;
     pub const DIAGIPC_E_NOT_SUPPORTED: HRESULT = 0x8013_1515_u32 as i32;
+    /// corerror.h: no metadata record of that name.
+    pub const CLDB_E_RECORD_NOTFOUND: HRESULT = 0x8013_1130_u32 as i32;
 
     /// A short name for a known HRESULT, for logs and error messages.
     pub fn name(hr: HRESULT) -> Option<&'static str> {
@@ -257,6 +259,7 @@ pub mod hr {
             DIAGIPC_E_UNKNOWN_COMMAND => "DS_IPC_E_UNKNOWN_COMMAND",
             DIAGIPC_E_UNKNOWN_MAGIC => "DS_IPC_E_UNKNOWN_MAGIC",
             DIAGIPC_E_NOT_SUPPORTED => "DS_IPC_E_NOTSUPPORTED",
+            CLDB_E_RECORD_NOTFOUND => "CLDB_E_RECORD_NOTFOUND",
             CORPROF_E_PROFILER_ALREADY_ACTIVE => "CORPROF_E_PROFILER_ALREADY_ACTIVE",
             CORPROF_E_SUSPENSION_IN_PROGRESS => "CORPROF_E_SUSPENSION_IN_PROGRESS",
             _ => return None,

@@ -88,7 +88,7 @@ pub fn set_handler(handler: Option<Handler>) {
 #[unsafe(naked)]
 #[no_mangle]
 #[link_section = ".text.hot.corsnap_throw"]
-pub extern "C" fn corsnap_exception_dispatched(method_table: usize) {
+pub extern "C" fn corsnap_exception_dispatched(method_table: usize) -> i32 {
     // rdi (the `MethodTable`) is passed on as it came; the stack is as the
     // call left it, so the jump is a tail call with the caller's alignment.
     std::arch::naked_asm!(
@@ -100,12 +100,14 @@ pub extern "C" fn corsnap_exception_dispatched(method_table: usize) {
 }
 
 /// [`corsnap_exception_dispatched`]'s body: `return_slot` is where the call
-/// left its return address, `caller_bp` the caller's frame pointer.
+/// left its return address, `caller_bp` the caller's frame pointer. Returns
+/// 0, for a `calli` signature that returns an `int32` (see
+/// [`REUSABLE_SIGNATURES`]).
 #[link_section = ".text.hot.corsnap_throw"]
-extern "C" fn exception_dispatched_from(method_table: usize, return_slot: *const u64, caller_bp: u64) {
+extern "C" fn exception_dispatched_from(method_table: usize, return_slot: *const u64, caller_bp: u64) -> i32 {
     let handler = HANDLER.load(Ordering::Acquire);
     if handler.is_null() {
-        return;
+        return 0;
     }
     // SAFETY: `return_slot` is the stack pointer at the entry point's entry:
     // the slot the call pushed its return address into, on this thread's
@@ -120,12 +122,28 @@ extern "C" fn exception_dispatched_from(method_table: usize, return_slot: *const
         // SAFETY: `context` is the one `Handler::new` made for `run`.
         unsafe { run(*context, method_table, caller) }
     }));
+    0
 }
 
-/// The `calli` signature: `unmanaged cdecl void (native int)`
-/// (ECMA-335 II.23.2.3: C calling convention, one parameter, `void`,
-/// `ELEMENT_TYPE_I`).
+/// The `calli` signature made when CoreLib has none of
+/// [`REUSABLE_SIGNATURES`]: `unmanaged cdecl void (native int)` (ECMA-335
+/// II.23.2.3: C calling convention, one parameter, `void`, `ELEMENT_TYPE_I`).
 pub const CALLI_SIGNATURE: [u8; 4] = [0x01, 0x01, 0x01, 0x18];
+
+/// Signatures a `calli` of [`corsnap_exception_dispatched`] may use, as
+/// CoreLib may already hold them in its `StandAloneSig` table, with whether
+/// each returns an `int32` (which the prologue then pops). Making a new one
+/// needs CoreLib's metadata opened for writing, which copies all of it: 20
+/// ms of the agent's start-up (.NET 10). The C calling convention or the
+/// platform's default for unmanaged code (`0x09`, the same on Linux x64),
+/// `void` or `int32` (the entry returns 0 in `eax`), one `native int`.
+/// CoreLib 9.0 and 10.0 hold `unmanaged int32 (native int)`.
+pub const REUSABLE_SIGNATURES: [(&[u8], bool); 4] = [
+    (&CALLI_SIGNATURE, false),
+    (&[0x09, 0x01, 0x01, 0x18], false),
+    (&[0x01, 0x01, 0x08, 0x18], true),
+    (&[0x09, 0x01, 0x08, 0x18], true),
+];
 
 /// The evaluation stack [`prologue`] needs.
 pub const PROLOGUE_STACK: u16 = 2;
@@ -133,13 +151,14 @@ pub const PROLOGUE_STACK: u16 = 2;
 /// The instructions put before `DispatchEx(ref StackFrameIterator, ref
 /// ExInfo)`'s code: `ldarg.1; call instance object
 /// ExInfo::get_ThrownException(); call RuntimeHelpers::GetMethodTable(object);
-/// ldc.i8 <entry>; conv.i; calli <signature>`. `thrown_exception`,
-/// `get_method_table`: CoreLib's tokens (the exception's field itself is
-/// private to `ExInfo`, and the JIT checks access: `FieldAccessException`);
-/// `signature`: a `StandAloneSig` of [`CALLI_SIGNATURE`] in CoreLib.
-pub fn prologue(thrown_exception: u32, get_method_table: u32, signature: u32) -> Vec<u8> {
+/// ldc.i8 <entry>; conv.i; calli <signature>` (and `pop` when
+/// `returns_int32`). `thrown_exception`, `get_method_table`: CoreLib's
+/// tokens (the exception's field itself is private to `ExInfo`, and the JIT
+/// checks access: `FieldAccessException`); `signature`: a `StandAloneSig`
+/// in CoreLib of one of [`REUSABLE_SIGNATURES`].
+pub fn prologue(thrown_exception: u32, get_method_table: u32, signature: u32, returns_int32: bool) -> Vec<u8> {
     let entry = corsnap_exception_dispatched as *const () as usize as u64;
-    let mut il = Vec::with_capacity(26);
+    let mut il = Vec::with_capacity(27);
     il.push(0x03); // ldarg.1
     il.push(0x28); // call
     il.extend_from_slice(&thrown_exception.to_le_bytes());
@@ -150,6 +169,9 @@ pub fn prologue(thrown_exception: u32, get_method_table: u32, signature: u32) ->
     il.push(0xD3); // conv.i
     il.push(0x29); // calli
     il.extend_from_slice(&signature.to_le_bytes());
+    if returns_int32 {
+        il.push(0x26); // pop
+    }
     il
 }
 
@@ -159,7 +181,7 @@ mod tests {
 
     #[test]
     fn the_prologue_loads_the_class_and_calls_the_entry() {
-        let il = prologue(0x0400_0010, 0x0600_0020, 0x1100_0030);
+        let il = prologue(0x0400_0010, 0x0600_0020, 0x1100_0030, false);
         assert_eq!(il.len(), 26);
         assert_eq!(&il[..2], &[0x03, 0x28]);
         assert_eq!(&il[2..6], &0x0400_0010u32.to_le_bytes());
@@ -169,5 +191,8 @@ mod tests {
         assert_eq!(entry as usize, corsnap_exception_dispatched as *const () as usize);
         assert_eq!(&il[20..22], &[0xD3, 0x29]);
         assert_eq!(&il[22..], &0x1100_0030u32.to_le_bytes());
+        let popped = prologue(0x0400_0010, 0x0600_0020, 0x1100_0030, true);
+        assert_eq!(popped[..26], il[..]);
+        assert_eq!(popped[26..], [0x26]);
     }
 }

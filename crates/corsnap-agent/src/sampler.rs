@@ -36,6 +36,9 @@ const STATS_EVERY: Duration = Duration::from_secs(1);
 const SEND_EVERY: Duration = Duration::from_millis(50);
 /// ...or sooner, once this much is waiting.
 const SEND_AT_BYTES: usize = 256 * 1024;
+/// How long the sampler thread waits, before it sets up its engines, for
+/// CoreLib to load, so that it can ask for the dispatch hook first.
+const CORELIB_WAIT: Duration = Duration::from_millis(100);
 /// How often the events counted on the event walkers' kept walks are taken
 /// (as often as samples are sent): each take pulls every pooled walker's
 /// slot and counts to the agent's core, and the throwing thread's next event
@@ -174,6 +177,27 @@ impl SamplerSignal {
         self.update(|_| {});
     }
 
+    /// Sleeps until `deadline` or until woken, leaving a stop or a snapshot
+    /// asked for to the sampler loop's [`Self::wait`]: `false` at the
+    /// deadline or once a stop is asked for.
+    fn wait_woken(&self, deadline: Instant) -> bool {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if s.stop.is_some() {
+                return false;
+            }
+            if s.woken {
+                s.woken = false;
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            s = self.raised.wait_timeout(s, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
     /// Sleeps until `deadline` (forever if `None`) or until woken.
     fn wait(&self, deadline: Option<Instant>) -> Wake {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -206,7 +230,20 @@ pub struct Sampler {
 impl Sampler {
     pub fn start(shared: Arc<Shared>, channel: Channel) -> io::Result<Sampler> {
         let for_thread = shared.clone();
-        let thread = NativeThread::spawn("corsnap-sampler", move || SamplerLoop::new(for_thread, channel).run())?;
+        let thread = NativeThread::spawn("corsnap-sampler", move || {
+            // First: the program may throw from its first milliseconds, and
+            // the engines' and the event walker's set-up in `new` takes tens
+            // of them; until the hook's first call, throws come from the
+            // costlier EventPipe session.
+            // CoreLib is loaded a few milliseconds after the agent starts:
+            // its load wakes this thread (`module_load_finished`).
+            let deadline = Instant::now() + CORELIB_WAIT;
+            crate::tend_throw_hook(&for_thread);
+            while crate::throw_hook_waits_for_corelib(&for_thread) && for_thread.signal.wait_woken(deadline) {
+                crate::tend_throw_hook(&for_thread);
+            }
+            SamplerLoop::new(for_thread, channel).run()
+        })?;
         Ok(Sampler { thread, shared })
     }
 
@@ -303,8 +340,7 @@ impl SamplerLoop {
     }
 
     fn run(mut self) {
-        // First: the program may throw from its first milliseconds, and the
-        // engines' set-up below takes tens of them.
+        // (CoreLib may not have been loaded when the thread started.)
         crate::tend_throw_hook(&self.shared);
         self.suspend.warm_up();
         if self.shared.records(EventKind::Cpu) {

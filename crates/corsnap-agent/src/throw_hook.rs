@@ -90,15 +90,23 @@ pub(crate) fn request(info: &CorProfilerInfo, handler: throw_hook::Handler) -> R
     let import = info.get_module_metadata(core).map_err(|e| format!("CoreLib's metadata: {e}"))?;
     let eh = step("System.Runtime.EH", import.find_type_def_by_name("System.Runtime.EH", 0))?;
     let ex_info = step("EH+ExInfo", import.find_type_def_by_name("ExInfo", eh))?;
-    let exception = step("ExInfo.ThrownException", import.find_member(ex_info, "get_ThrownException", false))?;
-    let dispatch = step("EH.DispatchEx", import.find_member(eh, "DispatchEx", false))?;
+    let exception = step("ExInfo.ThrownException", import.find_method(ex_info, "get_ThrownException"))?;
+    let dispatch = step("EH.DispatchEx", import.find_method(eh, "DispatchEx"))?;
     let helpers =
         step("RuntimeHelpers", import.find_type_def_by_name("System.Runtime.CompilerServices.RuntimeHelpers", 0))?;
-    let get_method_table = step("RuntimeHelpers.GetMethodTable", import.find_member(helpers, "GetMethodTable", false))?;
-    let emit = info.get_module_metadata_for_emit(core).map_err(|e| format!("CoreLib's metadata for writing: {e}"))?;
-    let signature = step("the call's signature", emit.get_token_from_sig(&throw_hook::CALLI_SIGNATURE))?;
+    let get_method_table = step("RuntimeHelpers.GetMethodTable", import.find_method(helpers, "GetMethodTable"))?;
+    let reusable: Vec<&[u8]> = throw_hook::REUSABLE_SIGNATURES.iter().map(|&(blob, _)| blob).collect();
+    let (signature, returns_int32) = match import.find_signature(&reusable) {
+        Ok(Some((i, token))) => (token, throw_hook::REUSABLE_SIGNATURES[i].1),
+        // None there: made, in CoreLib's metadata opened for writing.
+        _ => {
+            let emit =
+                info.get_module_metadata_for_emit(core).map_err(|e| format!("CoreLib's metadata for writing: {e}"))?;
+            (step("the call's signature", emit.get_token_from_sig(&throw_hook::CALLI_SIGNATURE))?, false)
+        }
+    };
     let original = info.get_il_function_body(core, dispatch).map_err(|e| format!("DispatchEx's IL: {e}"))?;
-    let prologue = throw_hook::prologue(exception, get_method_table, signature);
+    let prologue = throw_hook::prologue(exception, get_method_table, signature, returns_int32);
     let body = corsnap_abi::il::prepend(&original, &prologue, throw_hook::PROLOGUE_STACK)
         .map_err(|e| format!("DispatchEx's IL: {e}"))?;
     *REWRITTEN.lock().unwrap_or_else(|p| p.into_inner()) = Some(Rewritten { module: core, method: dispatch, body });
