@@ -38,7 +38,7 @@ use corsnap_wire::NATIVE_FRAME_BIT;
 
 use crate::code_learning::{knows_code, CodeLearner, Learned, STUB_TAG};
 use crate::log;
-use crate::native_modules::SharedNativeModules;
+use crate::native_modules::{SharedNativeModules, Tables};
 use crate::runtime_layout::RuntimeLayout;
 use crate::signal_engine::{FrameName, Funclets, INCOMPLETE_KEY, UNKNOWN_CODE_KEY};
 use crate::symbols::Symbolizer;
@@ -509,7 +509,8 @@ impl EventWalker {
     }
 
     /// The loader's modules, when they changed, or when their row tables
-    /// are wanted (`tables`) and some are still to be compiled.
+    /// are wanted (`tables`: those of the modules event stacks pass
+    /// through, `Tables::EventStacks`) and some are still to be compiled.
     fn refresh_modules(&mut self, (objects, counters): &(Vec<LoadedObject>, (u64, u64)), tables: bool) {
         let counters = *counters;
         if counters == self.loader_counters && !(tables && self.tables_pending) {
@@ -520,9 +521,10 @@ impl EventWalker {
         if self.hijack_stub.is_none() {
             self.hijack_stub = native_modules.hijack_stub(objects);
         }
+        let tables = if tables { Tables::EventStacks } else { Tables::None };
         let natives = native_modules.modules_of(objects, tables);
+        self.tables_pending = native_modules.tables_pending(objects, Tables::EventStacks);
         drop(native_modules);
-        self.tables_pending = natives.iter().any(NativeModule::table_pending);
         self.natives = natives;
         self.map_dirty = true;
         self.natives_dirty = true;

@@ -611,7 +611,10 @@ impl SamplerLoop {
         if let Some((objects, counters)) = &loaded {
             if *counters != self.tables_built_for {
                 self.tables_built_for = *counters;
-                self.native_modules.lock().unwrap_or_else(|p| p.into_inner()).modules_of(objects, true);
+                self.native_modules
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .modules_of(objects, crate::native_modules::Tables::EventStacks);
             }
         }
         // The walker is held for each step on its own, not the whole round:

@@ -1229,7 +1229,7 @@ impl SignalEngine {
         if self.hijack_stub.is_none() {
             self.hijack_stub = native_modules.hijack_stub(&objects);
         }
-        let natives = native_modules.modules_of(&objects, true);
+        let natives = native_modules.modules_of(&objects, crate::native_modules::Tables::All);
         drop(native_modules);
         log::write(format_args!(
             "native modules: {} (read in {:?}; row tables {} KiB)",
