@@ -365,7 +365,7 @@ mod tests {
             .filter_map(|o| {
                 let elf =
                     LoadedElf { name: &o.name, bias: o.bias, segments: &o.segments, eh_frame_hdr: o.eh_frame_hdr };
-                native_module(&elf, crate::process::read_own_bytes).map(NativeModule::with_leaf_granules)
+                native_module(&elf, crate::process::read_own_memory).map(NativeModule::with_leaf_granules)
             })
             .collect();
         let maps = parse_maps(&std::fs::read_to_string("/proc/self/maps").unwrap());

@@ -36,13 +36,14 @@ impl NativeModules {
     /// module read without its table gets it the first time it is asked
     /// for with.
     pub(crate) fn modules_of(&mut self, objects: &[LoadedObject], tables: Tables) -> Vec<NativeModule> {
+        let mut scratch = Vec::new();
         objects
             .iter()
             .filter_map(|o| {
                 let entry = self.cache.entry((o.name.clone(), o.bias)).or_insert_with(|| {
                     let elf =
                         LoadedElf { name: &o.name, bias: o.bias, segments: &o.segments, eh_frame_hdr: o.eh_frame_hdr };
-                    native_module_without_table(&elf, corsnap_abi::process::read_own_bytes)
+                    native_module_without_table(&elf, corsnap_abi::process::read_own_memory, &mut scratch)
                 });
                 if tables.wants(o) && entry.as_ref().is_some_and(NativeModule::table_pending) {
                     // The table on the heap; the granules a leaf reads

@@ -6,7 +6,7 @@
 
 use std::ops::Range;
 
-use crate::{ElfSections, NativeModule};
+use crate::{Bytes, ElfSections, NativeModule};
 
 /// `DW_EH_PE_*` pointer encodings used by `.eh_frame_hdr`'s `eh_frame_ptr`.
 const DW_EH_PE_OMIT: u8 = 0xff;
@@ -67,28 +67,34 @@ pub struct LoadedElf<'a> {
 }
 
 /// Makes the [`NativeModule`] for `elf`, reading its unwind sections out of
-/// memory with `read(address, len)`. `None` if it has no executable segment.
-pub fn native_module(elf: &LoadedElf<'_>, read: impl Fn(u64, usize) -> Option<Vec<u8>>) -> Option<NativeModule> {
-    native_module_without_table(elf, read).map(NativeModule::with_table)
+/// memory with `read(address, buffer)` (`false`: not readable). `None` if
+/// it has no executable segment.
+pub fn native_module(elf: &LoadedElf<'_>, read: impl FnMut(u64, &mut [u8]) -> bool) -> Option<NativeModule> {
+    native_module_without_table(elf, read, &mut Vec::new()).map(NativeModule::with_table)
 }
 
 /// [`native_module`] with its row table left to compile later
-/// ([`NativeModule::with_table`]).
+/// ([`NativeModule::with_table`]), reading through `scratch`, which keeps
+/// its size for the next module.
 pub fn native_module_without_table(
     elf: &LoadedElf<'_>,
-    read: impl Fn(u64, usize) -> Option<Vec<u8>>,
+    mut read: impl FnMut(u64, &mut [u8]) -> bool,
+    scratch: &mut Vec<u8>,
 ) -> Option<NativeModule> {
     let exec: Vec<&(u64, u64, bool)> = elf.segments.iter().filter(|s| s.2 && s.1 > 0).collect();
     let text_start = exec.iter().map(|s| s.0).min()?;
     let text_end = exec.iter().map(|s| s.0 + s.1).max()?;
     let mut sections = ElfSections { text: Some(text_start..text_end), ..Default::default() };
     if let Some((hdr_svma, hdr_len)) = elf.eh_frame_hdr {
-        let hdr = read(elf.bias.wrapping_add(hdr_svma), hdr_len as usize);
-        if let Some(hdr) = hdr.filter(|h| h.len() >= 8 && h[0] == 1) {
+        let mut hdr = vec![0u8; hdr_len as usize];
+        if read(elf.bias.wrapping_add(hdr_svma), &mut hdr) && hdr.len() >= 8 && hdr[0] == 1 {
             // eh_frame_ptr follows the 4-byte header, pc-relative to itself.
             let ptr_avma = elf.bias.wrapping_add(hdr_svma) + 4;
             if let Some((eh_avma, _)) = read_encoded(&hdr, 4, ptr_avma, hdr[1]) {
-                // The section ends at its terminator, within its segment.
+                // The section ends at its terminator, within its segment:
+                // read up to the segment's end into `scratch` (reused from
+                // module to module: in this VM each fresh page costs a fault
+                // of about 11 µs), and only the section kept, copied once.
                 let eh_svma = eh_avma.wrapping_sub(elf.bias);
                 let segment_end = elf
                     .segments
@@ -97,9 +103,13 @@ pub fn native_module_without_table(
                     .map(|s| s.0 + s.1)
                     .unwrap_or(eh_svma);
                 let max = (segment_end - eh_svma) as usize;
-                if let Some(bytes) = read(eh_avma, max) {
-                    let len = eh_frame_len(&bytes);
-                    sections.eh_frame = Some((eh_svma..eh_svma + len as u64, bytes[..len].to_vec().into()));
+                if scratch.len() < max {
+                    scratch.resize(max, 0);
+                }
+                let bytes = &mut scratch[..max];
+                if read(eh_avma, bytes) {
+                    let len = eh_frame_len(bytes);
+                    sections.eh_frame = Some((eh_svma..eh_svma + len as u64, Bytes::from(&bytes[..len])));
                 }
             }
             sections.eh_frame_hdr = Some((hdr_svma..hdr_svma + hdr_len, hdr.into()));
