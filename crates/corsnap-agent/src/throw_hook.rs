@@ -6,11 +6,13 @@
 //! below.
 //!
 //! The agent asks for the ReJIT from the sampler thread (it suspends the
-//! runtime, never from a callback), once CoreLib is loaded. Until the
-//! first call arrives, throws still come from EventPipe when recording; a
-//! throw seen by both is counted once (the call marks its thread, the event
-//! that follows on that thread is skipped). Before a detach (which the
-//! runtime then refuses: ReJIT was enabled) the handler is cleared and the
+//! runtime, never from a callback), as soon as CoreLib is loaded. Until
+//! then throws come from EventPipe when recording; that session ends once
+//! the ReJIT is asked for (see `tend_throw_hook`), and starts again should
+//! the rewritten dispatch fail to compile. A throw seen by both is counted
+//! once (the call marks its thread, the event that follows on that thread
+//! is skipped). Before a detach (which the runtime then refuses: ReJIT was
+//! enabled) the handler is cleared and the
 //! method reverted.
 
 use std::cell::Cell;
@@ -23,10 +25,14 @@ use corsnap_abi::{throw_hook, CorProfilerInfo, FunctionControl, HResult, MdToken
 pub(crate) mod state {
     /// Not wanted, or not asked for yet.
     pub const IDLE: u8 = 0;
-    /// The ReJIT was asked for (it runs once `ThrowHook::called`).
+    /// The ReJIT was asked for (the rewritten dispatch is compiled at its
+    /// first call, `ThrowHook::called`), and the EventPipe session ended.
     pub const REQUESTED: u8 = 1;
-    /// It could not be put in place (logged); EventPipe stays.
+    /// It could not be put in place (logged); EventPipe stays, or starts
+    /// again.
     pub const FAILED: u8 = 2;
+    /// It failed, and throws come from EventPipe again.
+    pub const FELL_BACK: u8 = 4;
     /// Taken out (detach).
     pub const REMOVED: u8 = 3;
 }
