@@ -1556,11 +1556,16 @@ pub fn native_frame_both_ways<M: Memory>(
     let _pool = framehop_caches::Share::new();
     let lookup = if exact { regs.ip } else { regs.ip.wrapping_sub(1) };
     let (row, _) = map.native_at(lookup)?.table.as_ref()?.row_at(lookup)?;
-    let framehop = match native_step(map, mem, regs, exact) {
+    // Nothing to compare while every cache of framehop's pool is lent out
+    // (another test holds them all: `caches_are_lent_once_each_...`); a
+    // walk would lose the frame then, by design.
+    let mut rules = framehop_caches::borrow()?;
+    let framehop = match native_step_with(map, mem, regs, exact, &mut rules) {
         Step::Next(next) => Some(next),
         Step::Done => Some(Regs { ip: 0, ..regs }),
         Step::Lost => None,
     };
+    drop(rules);
     let table = match row {
         RowRule::Step(rule) => rule.caller(mem, regs),
         // The end of the stack, as framehop's is given above.
@@ -1589,6 +1594,25 @@ pub fn native_table_bytes(map: &CodeMap) -> usize {
 #[cold]
 #[inline(never)]
 fn native_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool) -> Step {
+    // A return address of 0 ends the stack, cache or not.
+    if !exact && FrameAddress::from_return_address(regs.ip).is_none() {
+        return Step::Done;
+    }
+    // With every cache of the pool in use, the frame is lost (counted as
+    // such): it takes more walks through framehop at once than the pool
+    // holds.
+    let Some(mut rules) = framehop_caches::borrow() else { return Step::Lost };
+    native_step_with(map, mem, regs, exact, &mut rules)
+}
+
+/// [`native_step`] with a cache of framehop's pool.
+fn native_step_with<M: Memory>(
+    map: &CodeMap,
+    mem: &M,
+    regs: Regs,
+    exact: bool,
+    rules: &mut framehop::x86_64::CacheX86_64<framehop::MustNotAllocateDuringUnwind>,
+) -> Step {
     let address = if exact {
         FrameAddress::from_instruction_pointer(regs.ip)
     } else {
@@ -1599,11 +1623,7 @@ fn native_step<M: Memory>(map: &CodeMap, mem: &M, regs: Regs, exact: bool) -> St
     };
     let mut fregs = UnwindRegsX86_64::new(regs.ip, regs.sp, regs.bp);
     let mut read = |addr: u64| mem.stack_word(addr).ok_or(());
-    // With every cache of the pool in use, the frame is lost (counted as
-    // such): it takes more walks through framehop at once than the pool
-    // holds.
-    let Some(mut rules) = framehop_caches::borrow() else { return Step::Lost };
-    match map.unwinder.unwind_frame(address, &mut fregs, &mut rules, &mut read) {
+    match map.unwinder.unwind_frame(address, &mut fregs, rules, &mut read) {
         Ok(Some(ra)) => Step::Next(Regs { ip: ra, sp: fregs.sp(), bp: fregs.bp() }),
         Ok(None) => Step::Done,
         Err(_) => Step::Lost,
