@@ -188,6 +188,18 @@ static OWN_STACKS: AtomicU64 = AtomicU64::new(0);
 static NO_MAP: AtomicU64 = AtomicU64::new(0);
 /// Walks that used a cache of their own (the pool was empty).
 static POOL_EMPTY: AtomicU64 = AtomicU64::new(0);
+/// Frames of native code at the leaf that walks stepped one by one (not
+/// replayed, not from a remembered path): what the modules' row tables
+/// would have made cheaper. Live, unlike [`TOTALS`]: the agent compiles
+/// the tables once these frames have cost about what compiling them does
+/// (see `corsnap_agent::event_walks::TABLES_AFTER_NATIVE_FRAMES`).
+static NATIVE_FRAMES_STEPPED: AtomicU64 = AtomicU64::new(0);
+
+/// Frames of native code at the leaf that event walks stepped one by one
+/// so far (see [`NATIVE_FRAMES_STEPPED`]).
+pub fn native_frames_stepped() -> u64 {
+    NATIVE_FRAMES_STEPPED.load(Ordering::Relaxed)
+}
 
 /// Words of stack kept at most when a walk met unknown code and still
 /// reached the root (256 KiB): the copy goes as deep as the walk went. An
@@ -441,10 +453,12 @@ pub fn walk_own_stack<R>(
         // Frames of native code at the leaf are corsnap's own and the
         // runtime's plumbing between the event and the code it happened in
         // (counted by the walk when its way in was all table rules).
+        let native_leading = std::cell::Cell::new(0usize);
         let trim = |walk: &mut Walk, out: &mut [u64]| {
             let leading = walk.entry_frames.unwrap_or_else(|| {
                 out[..walk.len].iter().take_while(|&&f| map.native_at(lookup_address(f)).is_some()).count()
             });
+            native_leading.set(leading);
             out.copy_within(leading..walk.len, 0);
             walk.len -= leading;
             walk.known_frames = walk.known_frames.saturating_sub(leading);
@@ -466,6 +480,12 @@ pub fn walk_own_stack<R>(
         map.keep_learned(cache);
         for (count, add) in counts.iter_mut().zip([1, found, walk.path_frames, walk.rest_frames, 0]) {
             *count += add as u64;
+        }
+        // One add a walk that was made, and none when a remembered path
+        // gave every native frame (a storm of events from one place).
+        let stepped = native_leading.get().saturating_sub(walk.path_frames);
+        if stepped > 0 {
+            NATIVE_FRAMES_STEPPED.fetch_add(stepped as u64, Ordering::Relaxed);
         }
         let mut copy = None;
         if walk.flags & corsnap_unwind::flags::UNKNOWN_CODE != 0 {
@@ -685,6 +705,8 @@ pub struct EventWalkCounters {
     pub own_stacks: u64,
     pub unknown_stacks: u64,
     pub pool_empty: u64,
+    /// See [`native_frames_stepped`].
+    pub native_frames_stepped: u64,
 }
 
 pub fn counters() -> EventWalkCounters {
@@ -698,6 +720,7 @@ pub fn counters() -> EventWalkCounters {
         own_stacks: OWN_STACKS.load(Ordering::Relaxed),
         unknown_stacks: UNKNOWN_STACKS.load(Ordering::Relaxed),
         pool_empty: POOL_EMPTY.load(Ordering::Relaxed),
+        native_frames_stepped: native_frames_stepped(),
     }
 }
 
@@ -914,17 +937,25 @@ mod tests {
         assert!(OWN_STACKS.load(Ordering::Relaxed) > served);
         assert!(take_stacks_stale());
         events.publish(Arc::new(own_code_map(true)));
+        let stepped = native_frames_stepped();
         let (frames, walk, copied) = deeper(5).expect("a walk");
         // All native: every frame is leading native code, so none is kept;
         // the walk itself went to the root.
         assert!(frames.is_empty(), "{walk:?}");
         assert!(walk.flags & corsnap_unwind::flags::COMPLETE != 0, "{walk:?}");
         assert!(!copied);
+        // It stepped them one by one, and counted them (the tests that walk
+        // wait for this map's lock, so no other walk adds to the count).
+        let first = native_frames_stepped() - stepped;
+        assert!(first > 0, "{walk:?}");
         // The same walk again takes the path the first one left (a pool
-        // walker is borrowed by where the stack is, so it is the same one).
+        // walker is borrowed by where the stack is, so it is the same one),
+        // and counts only the frames after it.
+        let stepped = native_frames_stepped();
         let (_, again, _) = deeper(5).expect("a walk");
         assert_eq!((again.flags, again.sp), (walk.flags, walk.sp), "the same root, reached the same way");
         assert!(again.path_frames > 0, "{again:?}");
+        assert_eq!(native_frames_stepped() - stepped, first.saturating_sub(again.path_frames as u64), "{again:?}");
         // From one call site twice: the same frames, whether the second
         // walk was the first one replayed or made again. (Replayed only if
         // every word the first read is the same: this test's own frames

@@ -50,6 +50,37 @@ const CACHE_CAP: usize = 200_000;
 const HOST_MODULES: [&str; 2] = ["/libhostfxr.so", "/libhostpolicy.so"];
 /// Rounds of learning and walking again for one stack copy.
 const REWALK_ROUNDS: usize = 8;
+/// Native frames event walks step one by one before the row tables of the
+/// modules event stacks pass through are compiled (see [`tables_wanted`]).
+pub(crate) const TABLES_AFTER_NATIVE_FRAMES: u64 = 50_000;
+
+/// Whether the event walker should have the row tables of the modules
+/// event stacks pass through (`Tables::EventStacks`) by now.
+///
+/// Compiling them costs the agent's thread about 25 ms of CPU, in the
+/// program's first moments, where on two cores the program's threads want
+/// both. What they save is a cheaper step of each native frame a walk makes
+/// one by one. Many programs' walks make few: from the dispatch hook (.NET
+/// 9 and later) a throw's walk starts in managed code, and repeated stacks
+/// are replayed or follow a remembered path. So, as one rents skis until
+/// the rent paid would have bought them, the tables are compiled once the
+/// walks have stepped as many native frames as the tables' cost would
+/// have paid for ([`TABLES_AFTER_NATIVE_FRAMES`]): never costing more than
+/// twice the better choice made in hindsight.
+///
+/// `CORSNAP_TEST_EVENT_TABLES_AFTER=N` (tests only) sets the count: 0 has
+/// the tables compiled from the first round, as before, for the walkers'
+/// comparison to cover walks by the tables too.
+pub(crate) fn tables_wanted() -> bool {
+    static AFTER: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let after = *AFTER.get_or_init(|| {
+        std::env::var("CORSNAP_TEST_EVENT_TABLES_AFTER")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(TABLES_AFTER_NATIVE_FRAMES)
+    });
+    corsnap_abi::event_walk::native_frames_stepped() >= after
+}
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct EventWalkStats {
@@ -188,11 +219,14 @@ impl EventWalker {
     /// the code of the functions compiled since the last round.
     /// `loaded`: the loader's objects and counters, as
     /// `corsnap_abi::process::loaded_objects` gave them this round.
+    /// `tables`: whether the row tables of the modules event stacks pass
+    /// through are wanted yet (see [`tables_wanted`]).
     pub fn refresh(
         &mut self,
         threads_announced: bool,
         compiled: &[FunctionID],
         loaded: &(Vec<LoadedObject>, (u64, u64)),
+        tables: bool,
     ) {
         // Compiled code first, in a map of its own when the modules' row
         // tables are still to be built: the runtime runs a body as soon as
@@ -200,10 +234,10 @@ impl EventWalker {
         // stack, while the first tables take tens of milliseconds (37 ms in
         // one run on .NET 10, with 2,070 events' copies behind it).
         self.learn_compiled(compiled);
-        if self.map_dirty && self.tables_pending {
+        if self.map_dirty && tables && self.tables_pending {
             self.publish();
         }
-        self.refresh_modules(loaded, true);
+        self.refresh_modules(loaded, tables);
         if corsnap_abi::event_walk::take_stacks_stale() || threads_announced {
             self.refresh_stacks();
         }

@@ -599,7 +599,8 @@ impl SamplerLoop {
     /// a walk, whose counted events would otherwise wait for the next take.
     fn publish_events(&mut self, last: Option<Instant>) {
         let shared = self.shared.clone();
-        // The row tables of modules loaded since the last round, built
+        // The row tables of modules loaded since the last round, once
+        // walks want them (`event_walks::tables_wanted`), built
         // before the event walker is locked (tens of milliseconds at
         // start-up, when a thread whose event met code not known yet would
         // find the walker held and leave the code to this thread; see
@@ -608,8 +609,9 @@ impl SamplerLoop {
         // The loader's objects are read once a round, for this and for the
         // walker's refresh.
         let loaded = self.shared.native_event_walks.then(corsnap_abi::process::loaded_objects);
+        let tables = crate::event_walks::tables_wanted();
         if let Some((objects, counters)) = &loaded {
-            if *counters != self.tables_built_for {
+            if tables && *counters != self.tables_built_for {
                 self.tables_built_for = *counters;
                 self.native_modules
                     .lock()
@@ -631,7 +633,7 @@ impl SamplerLoop {
             let announced = self.shared.threads_changed_for_events.swap(false, std::sync::atomic::Ordering::Relaxed);
             let compiled =
                 std::mem::take(&mut *self.shared.jitted_for_events.lock().unwrap_or_else(|p| p.into_inner()));
-            walker.refresh(announced, &compiled, loaded);
+            walker.refresh(announced, &compiled, loaded, tables);
             walker.take_image_without_rules()
         });
         if let Some(image) = image {

@@ -11,6 +11,11 @@
 //!   JIT inlining differently in two runs): all must be identical.
 //! - `exact`: both walkers count the same exceptions, each with its stack,
 //!   and the shapes read as the program wrote them.
+//! - `agree_by_row_tables`: `agree` with the native modules' row tables
+//!   compiled from the first round (`CORSNAP_TEST_EVENT_TABLES_AFTER=0`):
+//!   by default the event walker compiles them only once its walks have
+//!   stepped enough native frames one by one, which these short runs do not
+//!   (`corsnap_agent::event_walks::tables_wanted`).
 
 mod support;
 
@@ -19,7 +24,17 @@ use support::{describe, parse_collapsed, record_with_env, scratch, Runtime, Stac
 const ROUNDS: &str = "300";
 
 fn run(runtime: Runtime, walker: &str, events: &[&str], verify: bool) -> (Vec<Stack>, Option<Vec<Stack>>, String) {
-    let dir = scratch(&format!("eventwalks-{runtime:?}-{walker}-{}-{verify}", events.join("_")));
+    run_with(runtime, walker, events, verify, &[])
+}
+
+fn run_with(
+    runtime: Runtime,
+    walker: &str,
+    events: &[&str],
+    verify: bool,
+    extra_env: &[(&str, &str)],
+) -> (Vec<Stack>, Option<Vec<Stack>>, String) {
+    let dir = scratch(&format!("eventwalks-{runtime:?}-{walker}-{}-{verify}-{}", events.join("_"), extra_env.len()));
     let out = dir.join("p.txt");
     let log = dir.join("agent.log");
     let mut args = vec!["-f", "collapsed", "--walker", walker, "-o", out.to_str().unwrap()];
@@ -27,8 +42,11 @@ fn run(runtime: Runtime, walker: &str, events: &[&str], verify: bool) -> (Vec<St
     for e in events {
         args.extend(["-e", e]);
     }
-    let env: &[(&str, &str)] = if verify { &[("CORSNAP_VERIFY_EVENT_WALKS", "1")] } else { &[] };
-    let output = record_with_env(runtime, "eventshapes", &[ROUNDS], &args, env, None);
+    let mut env: Vec<(&str, &str)> = extra_env.to_vec();
+    if verify {
+        env.push(("CORSNAP_VERIFY_EVENT_WALKS", "1"));
+    }
+    let output = record_with_env(runtime, "eventshapes", &[ROUNDS], &args, &env, None);
     let mut stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert!(output.status.success(), "{stderr}");
     // The stacks the walkers disagreed on, from the agent's log, for a
@@ -71,9 +89,18 @@ fn ending(stacks: &[Stack], tail: &[&str]) -> u64 {
 }
 
 fn agree(runtime: Runtime) {
-    let (exceptions, alloc, stderr) = run(runtime, "native", &["exceptions", "alloc"], true);
+    agree_with(runtime, &[]);
+}
+
+fn agree_by_row_tables(runtime: Runtime) {
+    agree_with(runtime, &[("CORSNAP_TEST_EVENT_TABLES_AFTER", "0")]);
+}
+
+fn agree_with(runtime: Runtime, env: &[(&str, &str)]) {
+    let (exceptions, alloc, stderr) = run_with(runtime, "native", &["exceptions", "alloc"], true, env);
     let (compared, identical) = verification(&stderr);
     let events = total(&exceptions) + alloc.as_ref().map_or(0, |a| a.len() as u64);
+    eprintln!("{runtime:?} {env:?}: compared {compared} of {events} events, {identical} identical");
     // Events before the walker's first map is published are walked by
     // DoStackSnapshot alone and not compared.
     assert!(compared * 10 >= total(&exceptions) * 9, "compared {compared} of {events} events:\n{stderr}");
@@ -111,3 +138,4 @@ fn exact(runtime: Runtime) {
 
 on_each_runtime!(both_walkers_see_the_same_managed_frames_for_the_same_events, agree);
 on_each_runtime!(both_walkers_count_every_exception_with_its_stack, exact);
+on_each_runtime!(both_walkers_agree_with_row_tables_from_the_first_round, agree_by_row_tables);
