@@ -15,7 +15,13 @@
 // `jmp` to a method; `isinst` and `castclass` are calls the JIT makes to
 // the runtime's cast helpers, printed as the callees `[isinst]` and
 // `[castclass]`. A `callvirt` to a method that can be overridden is also
-// printed as `[virtual]Name`: the call may land in any override.
+// printed as `[virtual]Name`: the call may land in any override. The calls
+// of a callee the JIT always inlines (a direct call to a method of at most
+// 16 bytes of IL, the JIT's always-inline size, or one marked
+// AggressiveInlining) are printed as the caller's too: in Tier1 code they
+// are made from the caller's body (`Decimal.Parse` calls
+// `NumberFormatInfo.GetInstance`, whose call of `GetProviderNonNull` a
+// stack shows under `Parse`). One level deep.
 #nullable enable
 using System;
 using System.Collections.Generic;
@@ -66,7 +72,26 @@ static class IlCalls
         return type + m.Name + generics;
     }
 
-    static IEnumerable<string> Callees(MethodBase m)
+    static IEnumerable<string> Callees(MethodBase m) => Calls(m).Select(c => c.Name);
+
+    // The JIT's ALWAYS_INLINE_SIZE (src/coreclr/jit/inline.h): a callee of
+    // this much IL or less is inlined whenever it can be.
+    const int AlwaysInlineSize = 16;
+
+    static bool AlwaysInlined(MethodBase callee)
+    {
+        if (callee.IsVirtual && !callee.IsFinal) return false;
+        if ((callee.MethodImplementationFlags & MethodImplAttributes.AggressiveInlining) != 0) return true;
+        if ((callee.MethodImplementationFlags & MethodImplAttributes.NoInlining) != 0) return false;
+        try { return callee.GetMethodBody()?.GetILAsByteArray()?.Length <= AlwaysInlineSize; } catch { return false; }
+    }
+
+    // The calls of the callees of `m` the JIT always inlines.
+    static IEnumerable<string> InlinedCallees(MethodBase m) => Calls(m)
+        .Where(c => c.Method != null && c.Direct && AlwaysInlined(c.Method))
+        .SelectMany(c => Callees(c.Method!));
+
+    static IEnumerable<(string Name, MethodBase? Method, bool Direct)> Calls(MethodBase m)
     {
         byte[]? il;
         try { il = m.GetMethodBody()?.GetILAsByteArray(); } catch { il = null; }
@@ -93,13 +118,14 @@ static class IlCalls
             {
                 MethodBase? callee = null;
                 try { callee = m.Module.ResolveMethod(BitConverter.ToInt32(il, pc), typeArgs, methodArgs); } catch { }
-                if (callee != null) yield return MethodRaw(callee);
+                bool direct = op == OpCodes.Call || op == OpCodes.Callvirt || op == OpCodes.Newobj;
+                if (callee != null) yield return (MethodRaw(callee), callee, direct);
                 // A virtual or interface call may land in any override.
                 if (callee != null && op == OpCodes.Callvirt && callee.IsVirtual && !callee.IsFinal)
-                    yield return "[virtual]" + callee.Name;
+                    yield return ("[virtual]" + callee.Name, null, false);
             }
-            else if (op == OpCodes.Isinst) yield return "[isinst]";
-            else if (op == OpCodes.Castclass) yield return "[castclass]";
+            else if (op == OpCodes.Isinst) yield return ("[isinst]", null, false);
+            else if (op == OpCodes.Castclass) yield return ("[castclass]", null, false);
             pc += operand;
         }
     }
@@ -141,7 +167,8 @@ static class IlCalls
                     if (!typeWanted && !wanted.Any(w => m.Name.Contains(w))) continue;
                     string caller;
                     try { caller = MethodRaw(m); } catch (Exception e) { Console.Error.WriteLine(m + ": " + e); continue; }
-                    foreach (var callee in Callees(m).Distinct()) Console.WriteLine(caller + "\t" + callee);
+                    foreach (var callee in Callees(m).Concat(InlinedCallees(m)).Distinct())
+                        Console.WriteLine(caller + "\t" + callee);
                 }
             }
         }
