@@ -34,7 +34,8 @@ fn run_with(
     verify: bool,
     extra_env: &[(&str, &str)],
 ) -> (Vec<Stack>, Option<Vec<Stack>>, String) {
-    let dir = scratch(&format!("eventwalks-{runtime:?}-{walker}-{}-{verify}-{}", events.join("_"), extra_env.len()));
+    let env_tag: String = extra_env.iter().map(|(k, v)| format!("-{k}={v}")).collect();
+    let dir = scratch(&format!("eventwalks-{runtime:?}-{walker}-{}-{verify}{env_tag}", events.join("_")));
     let out = dir.join("p.txt");
     let log = dir.join("agent.log");
     let mut args = vec!["-f", "collapsed", "--walker", walker, "-o", out.to_str().unwrap()];
