@@ -184,12 +184,22 @@ def main():
             shares.setdefault((rt, workload, key), []).append(own_share(f"{scratch}/p.cpu.txt"))
         return float(m.group(1))
 
+    # A round runs each workload's rows back to back, in a new order each
+    # round, and the workloads in a new order too: a row and the run without
+    # a profiler it is paired with are seconds apart, not the whole round
+    # (minutes). This host's speed moves on the scale of tens of seconds
+    # (one program's run took 1.6 s and 2.3 s in two stretches of the same
+    # hour), and with every run of a round shuffled together, the middle
+    # half of `alloc`'s paired ratios on .NET 8 spanned 12 points.
     results = {}
     for rnd in range(args.rounds):
-        configs = [(rt, w, m) for rt in runtimes for w in chosen for m in modes(w)]
-        random.shuffle(configs)
-        for c in configs:
-            results.setdefault(c, []).append(run(*c))
+        blocks = [(rt, w) for rt in runtimes for w in chosen]
+        random.shuffle(blocks)
+        for rt, w in blocks:
+            order = list(modes(w))
+            random.shuffle(order)
+            for m in order:
+                results.setdefault((rt, w, m), []).append(run(rt, w, m))
         print(f"  round {rnd + 1}/{args.rounds} done", file=sys.stderr)
 
     load = open("/proc/loadavg").read().split()[:3]
