@@ -209,6 +209,7 @@ impl EventWalker {
         walker.learn_compiled(compiled);
         walker.refresh_stacks();
         walker.publish();
+        walker.symbols.preload_roots(walker.natives.iter().map(|m| m.name.as_str()));
         log::write(format_args!(
             "event walker: {} native modules, {} stacks",
             walker.natives.len(),

@@ -431,6 +431,9 @@ impl SignalEngine {
             s.set_copy_first(std::env::var_os("CORSNAP_WALK_IN_HANDLER").is_none());
             s.set_enabled(engine.enabled);
         }
+        // With sampling on: the tables every sample's root names need, read
+        // while the program starts rather than once its threads are busy.
+        engine.symbols.preload_roots(engine.natives.iter().map(|m| m.name.as_str()));
         log::write(format_args!(
             "signal engine: {} native modules, {} threads, signal trampoline {}",
             engine.natives.len(),

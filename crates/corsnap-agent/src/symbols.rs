@@ -195,6 +195,28 @@ impl Symbolizer {
         Symbolizer { tables: HashMap::new(), search_dirs: dirs.iter().map(PathBuf::from).collect() }
     }
 
+    /// Reads now the symbol tables of the modules under the root of every
+    /// stack: the runtime's (its thread start and call frames; the
+    /// executable itself for a single-file app, which has no
+    /// `libcoreclr.so`) and the C library's (`start_thread`, `clone3`).
+    /// Read when the first event's frames were named, they came while the
+    /// program's first work ran: on `validate` (.NET 10, two pool threads
+    /// filling both CPUs), 13 ms of the sampler thread in the 100 ms after
+    /// the workers started, where the agent's own start-up has the second
+    /// CPU to itself while the runtime starts on the first.
+    pub fn preload_roots<'p>(&mut self, paths: impl Iterator<Item = &'p str> + Clone) {
+        let runtime_in_library = paths.clone().any(|p| module_file_name(p) == "libcoreclr.so");
+        for path in paths {
+            let file = module_file_name(path);
+            let root =
+                file == "libcoreclr.so" || file.starts_with("libc.so") || (path.is_empty() && !runtime_in_library);
+            if root {
+                let search_dirs = &self.search_dirs;
+                self.tables.entry(path.to_string()).or_insert_with(|| load_table(path, search_dirs));
+            }
+        }
+    }
+
     /// Names `addr` in the module loaded from `path` (empty: the main
     /// executable) with load bias `bias`.
     pub fn name(&mut self, path: &str, bias: u64, addr: u64) -> NativeName {
@@ -330,6 +352,23 @@ mod tests {
         assert_eq!(a.name, "libc.so.6!qsort");
         assert_eq!(a.key, corsnap_wire::NATIVE_FRAME_BIT | qsort);
         assert_eq!(a.module, "libc.so.6");
+    }
+
+    #[test]
+    fn the_root_modules_tables_are_read_before_any_name_is_asked_for() {
+        let (objects, _) = corsnap_abi::process::loaded_objects();
+        let libc = objects.iter().find(|o| o.name.contains("libc.so")).unwrap();
+        let others: Vec<&str> = objects.iter().map(|o| o.name.as_str()).filter(|n| !n.contains("libc.so")).collect();
+        let mut s = Symbolizer::default();
+        s.preload_roots(objects.iter().map(|o| o.name.as_str()));
+        assert!(s.tables.get(&libc.name).is_some_and(Option::is_some), "libc's table not read");
+        // No libcoreclr.so here: the executable stands for the runtime, as
+        // in a single-file app; no other library is read.
+        assert!(s.tables.contains_key(""), "the executable's table not read");
+        let read_too: Vec<&&str> = others.iter().filter(|n| !n.is_empty() && s.tables.contains_key(**n)).collect();
+        assert!(read_too.is_empty(), "read too: {read_too:?}");
+        let qsort = libc::qsort as *const () as u64;
+        assert_eq!(s.name(&libc.name, libc.bias, qsort).name, "libc.so.6!qsort");
     }
 
     #[test]
