@@ -209,7 +209,6 @@ impl EventWalker {
         walker.learn_compiled(compiled);
         walker.refresh_stacks();
         walker.publish();
-        walker.symbols.preload_roots(walker.natives.iter().map(|m| m.name.as_str()));
         log::write(format_args!(
             "event walker: {} native modules, {} stacks",
             walker.natives.len(),
@@ -251,6 +250,20 @@ impl EventWalker {
         if let Some(m) = self.events_map.as_mut() {
             m.reclaim();
         }
+    }
+
+    /// The paths of the native modules the walker knows, for
+    /// [`Symbolizer::preload_roots`].
+    pub fn native_paths(&self) -> Vec<String> {
+        self.natives.iter().map(|m| m.name.clone()).collect()
+    }
+
+    /// Symbol tables read elsewhere ([`Symbolizer::preload_roots`]) without
+    /// holding the walker: reading them while it is held, as naming the
+    /// first event's frames did, kept the compiling thread from learning
+    /// its new code for as long (see `Shared::learn_compiled_now`).
+    pub fn adopt_symbols(&mut self, tables: Symbolizer) {
+        self.symbols.adopt(tables);
     }
 
     /// CoreLib's image, whose functions' compiled rules are still to be

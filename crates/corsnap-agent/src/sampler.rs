@@ -316,7 +316,18 @@ impl SamplerLoop {
         if records_events && shared.native_event_walks {
             let compiled = std::mem::take(&mut *shared.jitted_for_events.lock().unwrap_or_else(|p| p.into_inner()));
             match EventWalker::start(shared.info, native_modules.clone(), &compiled) {
-                Ok(walker) => *shared.event_walker.lock().unwrap_or_else(|p| p.into_inner()) = Some(walker),
+                Ok(walker) => {
+                    let paths = walker.native_paths();
+                    *shared.event_walker.lock().unwrap_or_else(|p| p.into_inner()) = Some(walker);
+                    // The tables every event stack's root is named from, read
+                    // now and without holding the walker (see
+                    // `Symbolizer::preload_roots`).
+                    let mut roots = crate::symbols::Symbolizer::default();
+                    roots.preload_roots(paths.iter().map(String::as_str));
+                    if let Some(walker) = shared.event_walker.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+                        walker.adopt_symbols(roots);
+                    }
+                }
                 Err(why) => {
                     let text = format!("{why}; event stacks are walked by DoStackSnapshot instead");
                     log::write(format_args!("{text}"));

@@ -217,6 +217,13 @@ impl Symbolizer {
         }
     }
 
+    /// Takes `other`'s tables for the modules this one has not read.
+    pub fn adopt(&mut self, other: Symbolizer) {
+        for (path, table) in other.tables {
+            self.tables.entry(path).or_insert(table);
+        }
+    }
+
     /// Names `addr` in the module loaded from `path` (empty: the main
     /// executable) with load bias `bias`.
     pub fn name(&mut self, path: &str, bias: u64, addr: u64) -> NativeName {
