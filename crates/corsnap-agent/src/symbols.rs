@@ -196,20 +196,20 @@ impl Symbolizer {
     }
 
     /// Reads now the symbol tables of the modules under the root of every
-    /// stack: the runtime's (its thread start and call frames; the
-    /// executable itself for a single-file app, which has no
-    /// `libcoreclr.so`) and the C library's (`start_thread`, `clone3`).
-    /// Read when the first event's frames were named, they came while the
-    /// program's first work ran: on `validate` (.NET 10, two pool threads
-    /// filling both CPUs), 13 ms of the sampler thread in the 100 ms after
-    /// the workers started, where the agent's own start-up has the second
-    /// CPU to itself while the runtime starts on the first.
-    pub fn preload_roots<'p>(&mut self, paths: impl Iterator<Item = &'p str> + Clone) {
-        let runtime_in_library = paths.clone().any(|p| module_file_name(p) == "libcoreclr.so");
+    /// stack: the executable's (the bottom of the main thread; in a
+    /// single-file app, the runtime too), the runtime's (its thread start
+    /// and call frames) and the thread library's (`start_thread`,
+    /// `clone3`); the runtime known as elsewhere in the agent, by an empty
+    /// path or one ending `/libcoreclr.so`. Read when the first event's frames were
+    /// named, they came while the program's first work ran: on `validate`
+    /// (.NET 10, two pool threads filling both CPUs), 13 ms of the sampler
+    /// thread in the 100 ms after the workers started.
+    pub fn preload_roots<'p>(&mut self, paths: impl Iterator<Item = &'p str>) {
+        const THREAD_LIBRARIES: [&str; 2] = ["/libc.so.6", "/libpthread.so.0"];
         for path in paths {
-            let file = module_file_name(path);
-            let root =
-                file == "libcoreclr.so" || file.starts_with("libc.so") || (path.is_empty() && !runtime_in_library);
+            let root = path.is_empty()
+                || path.ends_with("/libcoreclr.so")
+                || THREAD_LIBRARIES.iter().any(|library| path.ends_with(library));
             if root {
                 let search_dirs = &self.search_dirs;
                 self.tables.entry(path.to_string()).or_insert_with(|| load_table(path, search_dirs));
@@ -365,12 +365,16 @@ mod tests {
     fn the_root_modules_tables_are_read_before_any_name_is_asked_for() {
         let (objects, _) = corsnap_abi::process::loaded_objects();
         let libc = objects.iter().find(|o| o.name.contains("libc.so")).unwrap();
-        let others: Vec<&str> = objects.iter().map(|o| o.name.as_str()).filter(|n| !n.contains("libc.so")).collect();
+        let others: Vec<&str> = objects
+            .iter()
+            .map(|o| o.name.as_str())
+            .filter(|n| !n.contains("libc.so") && !n.ends_with("/libpthread.so.0"))
+            .collect();
         let mut s = Symbolizer::default();
         s.preload_roots(objects.iter().map(|o| o.name.as_str()));
         assert!(s.tables.get(&libc.name).is_some_and(Option::is_some), "libc's table not read");
-        // No libcoreclr.so here: the executable stands for the runtime, as
-        // in a single-file app; no other library is read.
+        // The executable (the runtime too, in a single-file app); no other
+        // library is read (no libcoreclr.so in this test's process).
         assert!(s.tables.contains_key(""), "the executable's table not read");
         let read_too: Vec<&&str> = others.iter().filter(|n| !n.is_empty() && s.tables.contains_key(**n)).collect();
         assert!(read_too.is_empty(), "read too: {read_too:?}");
