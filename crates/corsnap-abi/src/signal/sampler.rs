@@ -134,15 +134,27 @@ impl SignalSampler {
 
     /// glibc's signal return trampoline (`__restore_rt`), which the kernel
     /// puts as the return address of every handler glibc installs: the mark
-    /// of a signal frame on a stack. 0 if glibc did not fill it in.
+    /// of a signal frame on a stack. 0 if no handler has one.
+    ///
+    /// Read from the sampling signal's handler when there is one, else from
+    /// the runtime's own fault handlers: the event walker needs it without
+    /// CPU sampling, for a hardware exception (`SIGFPE`: an integer divided
+    /// by zero) is dispatched from a handler on the faulting thread's own
+    /// stack, and a walk that did not know the mark went on by frame
+    /// pointers from the faulting frame's `rbp`, dropping that frame.
     pub fn sigreturn_trampoline() -> u64 {
-        // SAFETY: querying into a zeroed struct.
-        let mut current: libc::sigaction = unsafe { std::mem::zeroed() };
-        // SAFETY: valid out-pointer.
-        if unsafe { libc::sigaction(SAMPLE_SIGNAL, null_mut(), &mut current) } != 0 {
-            return 0;
-        }
-        current.sa_restorer.map_or(0, |f| f as usize as u64)
+        [SAMPLE_SIGNAL, libc::SIGSEGV, libc::SIGFPE, libc::SIGBUS, libc::SIGILL, libc::SIGTRAP, libc::SIGRTMIN()]
+            .into_iter()
+            .find_map(|signal| {
+                // SAFETY: querying into a zeroed struct.
+                let mut current: libc::sigaction = unsafe { std::mem::zeroed() };
+                // SAFETY: valid out-pointer; a query changes nothing.
+                if unsafe { libc::sigaction(signal, null_mut(), &mut current) } != 0 {
+                    return None;
+                }
+                current.sa_restorer.map(|f| f as usize as u64).filter(|&r| r != 0)
+            })
+            .unwrap_or(0)
     }
 
     /// Whether the handler copies the stack and leaves the walk to the
