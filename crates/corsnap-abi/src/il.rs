@@ -1,5 +1,6 @@
-//! IL method bodies with a few instructions put before their code, for
-//! ReJIT (`ICorProfilerFunctionControl::SetILFunctionBody`).
+//! IL method bodies with a few instructions put before their code or
+//! before one of their instructions, for ReJIT
+//! (`ICorProfilerFunctionControl::SetILFunctionBody`).
 //!
 //! ECMA-335 II.25.4: a body is a tiny header (one byte, code up to 63
 //! bytes, no locals, no exception clauses) or a fat one (12 bytes: flags,
@@ -7,8 +8,11 @@
 //! and, when the fat header says so, sections 4-byte aligned after the code
 //! (the exception clauses, small or fat). Code put first moves every clause
 //! by its length; branches are relative to the instruction after them and
-//! stay right. The body written back always has a fat header and fat
-//! clauses, so no offset can overflow a small clause's 16 bits.
+//! stay right. Code put before an instruction further in moves what comes
+//! after it, and so the branches that cross it, which needs every
+//! instruction read (ECMA-335 III, the operands' sizes). The body written
+//! back always has a fat header and fat clauses, so no offset can overflow
+//! a small clause's 16 bits.
 //!
 //! Written here rather than taken from a crate: no crate in the vendor set
 //! reads or writes method bodies, and this is all corsnap needs of one.
@@ -125,43 +129,241 @@ fn parse(method: &[u8]) -> Result<Body<'_>, String> {
 
 /// `method` (a whole body, header first) with `prologue` run before its
 /// code; `prologue_stack`: the evaluation stack the prologue needs (it must
-/// leave the stack empty).
+/// leave the stack empty). Branches are relative and all in the original
+/// code, so none changes; a branch back to the first instruction skips the
+/// prologue, which runs once.
 pub fn prepend(method: &[u8], prologue: &[u8], prologue_stack: u16) -> Result<Vec<u8>, String> {
     let body = parse(method)?;
     let shift = prologue.len() as u32;
-    let code_size = body.code.len() + prologue.len();
-    let mut flags = FAT | (body.flags & INIT_LOCALS);
-    if !body.clauses.is_empty() {
+    let mut code = Vec::with_capacity(body.code.len() + prologue.len());
+    code.extend_from_slice(prologue);
+    code.extend_from_slice(body.code);
+    let clauses: Vec<Clause> = body
+        .clauses
+        .iter()
+        .map(|c| Clause {
+            try_offset: c.try_offset + shift,
+            handler_offset: c.handler_offset + shift,
+            class_or_filter: if c.flags & CLAUSE_FILTER != 0 { c.class_or_filter + shift } else { c.class_or_filter },
+            ..*c
+        })
+        .collect();
+    Ok(write(body.flags, body.max_stack.max(prologue_stack), body.locals, &code, &clauses))
+}
+
+/// `method` with `inserted` run just before the instruction at offset `at`
+/// of its code, as if it were that instruction's first part: a branch to
+/// `at` runs it, a region (`try`, handler, filter) that starts at `at`
+/// holds it, one that ends there does not. `inserted` must leave the
+/// evaluation stack as it found it, and needs `inserted_stack` more of it.
+///
+/// Every instruction is read (ECMA-335 III: the operands' sizes) to find
+/// `at` among them and the branches that cross it, whose offsets grow by
+/// `inserted`'s length. A short branch (`br.s`, `leave.s`, ...) that no
+/// longer reaches is refused rather than widened: widening moves the code
+/// after it, and the methods corsnap rewrites have no such branch.
+pub fn insert_before(method: &[u8], at: usize, inserted: &[u8], inserted_stack: u16) -> Result<Vec<u8>, String> {
+    let body = parse(method)?;
+    let instructions = instructions(body.code)?;
+    if !instructions.iter().any(|i| i.offset == at) {
+        return Err(format!("offset {at} is not where an instruction starts"));
+    }
+    let len = inserted.len() as i64;
+    // Where an offset of the original code is in the new code.
+    let moved = |offset: i64| if offset > at as i64 { offset + len } else { offset };
+    let mut code = Vec::with_capacity(body.code.len() + inserted.len());
+    code.extend_from_slice(&body.code[..at]);
+    code.extend_from_slice(inserted);
+    code.extend_from_slice(&body.code[at..]);
+    for i in &instructions {
+        // The instruction's own new offset: it moves when it is at `at` or after.
+        let new_offset = if i.offset >= at { i.offset as i64 + len } else { i.offset as i64 };
+        let next = i.offset as i64 + i.size as i64;
+        let new_next = new_offset + i.size as i64;
+        match i.branch {
+            Branching::None => {}
+            Branching::Short(operand) | Branching::Long(operand) => {
+                let width = if matches!(i.branch, Branching::Short(_)) { 1 } else { 4 };
+                let old = if width == 1 {
+                    body.code[operand] as i8 as i64
+                } else {
+                    i32::from_le_bytes(body.code[operand..operand + 4].try_into().expect("four bytes")) as i64
+                };
+                let relative = moved(next + old) - new_next;
+                let at_in_new = (new_offset - i.offset as i64) as usize + operand;
+                if width == 1 {
+                    let short = i8::try_from(relative)
+                        .map_err(|_| format!("the short branch at {} no longer reaches its target", i.offset))?;
+                    code[at_in_new] = short as u8;
+                } else {
+                    let long = i32::try_from(relative).map_err(|_| "a branch out of reach".to_string())?;
+                    code[at_in_new..at_in_new + 4].copy_from_slice(&long.to_le_bytes());
+                }
+            }
+            Branching::Switch(targets) => {
+                for n in 0..targets {
+                    let operand = i.offset + 5 + n * 4;
+                    let old =
+                        i32::from_le_bytes(body.code[operand..operand + 4].try_into().expect("four bytes")) as i64;
+                    let relative = i32::try_from(moved(next + old) - new_next)
+                        .map_err(|_| "a switch target out of reach".to_string())?;
+                    let at_in_new = (new_offset - i.offset as i64) as usize + operand;
+                    code[at_in_new..at_in_new + 4].copy_from_slice(&relative.to_le_bytes());
+                }
+            }
+        }
+    }
+    let region = |offset: u32, length: u32| {
+        let start = moved(offset as i64);
+        (start as u32, (moved(offset as i64 + length as i64) - start) as u32)
+    };
+    let clauses: Vec<Clause> = body
+        .clauses
+        .iter()
+        .map(|c| {
+            let (try_offset, try_length) = region(c.try_offset, c.try_length);
+            let (handler_offset, handler_length) = region(c.handler_offset, c.handler_length);
+            let filter = c.flags & CLAUSE_FILTER != 0;
+            Clause {
+                flags: c.flags,
+                try_offset,
+                try_length,
+                handler_offset,
+                handler_length,
+                class_or_filter: if filter { moved(c.class_or_filter as i64) as u32 } else { c.class_or_filter },
+            }
+        })
+        .collect();
+    let max_stack = body.max_stack.checked_add(inserted_stack).ok_or("a stack too deep")?;
+    Ok(write(body.flags, max_stack, body.locals, &code, &clauses))
+}
+
+/// A body with a fat header, `code` and `clauses` (fat), from the
+/// original's `flags` (only `InitLocals` is kept).
+fn write(flags: u16, max_stack: u16, locals: u32, code: &[u8], clauses: &[Clause]) -> Vec<u8> {
+    let mut flags = FAT | (flags & INIT_LOCALS);
+    if !clauses.is_empty() {
         flags |= MORE_SECTS;
     }
-    let mut out = Vec::with_capacity(FAT_HEADER_BYTES + code_size + 4 + body.clauses.len() * FAT_CLAUSE_BYTES);
+    let mut out = Vec::with_capacity(FAT_HEADER_BYTES + code.len() + 4 + clauses.len() * FAT_CLAUSE_BYTES);
     out.extend_from_slice(&(flags | (3 << 12)).to_le_bytes());
-    out.extend_from_slice(&body.max_stack.max(prologue_stack).to_le_bytes());
-    out.extend_from_slice(&(code_size as u32).to_le_bytes());
-    out.extend_from_slice(&body.locals.to_le_bytes());
-    out.extend_from_slice(prologue);
-    out.extend_from_slice(body.code);
-    if !body.clauses.is_empty() {
+    out.extend_from_slice(&max_stack.to_le_bytes());
+    out.extend_from_slice(&(code.len() as u32).to_le_bytes());
+    out.extend_from_slice(&locals.to_le_bytes());
+    out.extend_from_slice(code);
+    if !clauses.is_empty() {
         while out.len() % 4 != 0 {
             out.push(0);
         }
-        let size = 4 + body.clauses.len() * FAT_CLAUSE_BYTES;
+        let size = 4 + clauses.len() * FAT_CLAUSE_BYTES;
         out.extend_from_slice(&(((size as u32) << 8) | (SECTION_EH_TABLE | SECTION_FAT_FORMAT) as u32).to_le_bytes());
-        for c in &body.clauses {
-            let filter = c.flags & CLAUSE_FILTER != 0;
-            for word in [
-                c.flags,
-                c.try_offset + shift,
-                c.try_length,
-                c.handler_offset + shift,
-                c.handler_length,
-                if filter { c.class_or_filter + shift } else { c.class_or_filter },
-            ] {
+        for c in clauses {
+            for word in [c.flags, c.try_offset, c.try_length, c.handler_offset, c.handler_length, c.class_or_filter] {
                 out.extend_from_slice(&word.to_le_bytes());
             }
         }
     }
+    out
+}
+
+/// How an instruction moves control, with where its offset operand is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Branching {
+    None,
+    /// A one-byte offset at this position of the code.
+    Short(usize),
+    /// A four-byte offset at this position of the code.
+    Long(usize),
+    /// `switch` with this many targets.
+    Switch(usize),
+}
+
+/// One instruction of a method's code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Instruction {
+    offset: usize,
+    size: usize,
+    branch: Branching,
+}
+
+/// The size of a one-byte opcode's operand (`None`: no such opcode;
+/// `switch` is read apart).
+fn operand_size(opcode: u8) -> Option<usize> {
+    Some(match opcode {
+        0x00..=0x0D | 0x14..=0x1E | 0x25 | 0x26 | 0x2A => 0,
+        0x0E..=0x13 | 0x1F | 0x2B..=0x37 | 0xDE => 1,
+        0x20 | 0x22 | 0x27..=0x29 | 0x38..=0x44 | 0x6F..=0x75 | 0x79 | 0x7B..=0x81 | 0x8C | 0x8D | 0x8F => 4,
+        0xA3..=0xA5 | 0xC2 | 0xC6 | 0xD0 | 0xDD => 4,
+        0x21 | 0x23 => 8,
+        0x46..=0x6E | 0x76 | 0x7A | 0x82..=0x8B | 0x8E | 0x90..=0xA2 | 0xB3..=0xBA | 0xC3 | 0xD1..=0xDC => 0,
+        0xDF | 0xE0 => 0,
+        _ => return None,
+    })
+}
+
+/// The size of a two-byte opcode's (`0xFE xx`) operand.
+fn operand_size_fe(second: u8) -> Option<usize> {
+    Some(match second {
+        0x00..=0x05 | 0x0F | 0x11 | 0x13 | 0x14 | 0x17 | 0x18 | 0x1A | 0x1D | 0x1E => 0,
+        0x12 | 0x19 => 1,
+        0x09..=0x0E => 2,
+        0x06 | 0x07 | 0x15 | 0x16 | 0x1C => 4,
+        _ => return None,
+    })
+}
+
+/// Every instruction of `code`, in order.
+fn instructions(code: &[u8]) -> Result<Vec<Instruction>, String> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < code.len() {
+        let opcode = code[at];
+        let (size, branch) = match opcode {
+            0x45 => {
+                let count = u32_at(code, at + 1)? as usize;
+                let size = count.checked_mul(4).and_then(|n| n.checked_add(5)).ok_or("a switch too large")?;
+                (size, Branching::Switch(count))
+            }
+            0xFE => {
+                let second = *code.get(at + 1).ok_or("an instruction cut short")?;
+                let operand =
+                    operand_size_fe(second).ok_or_else(|| format!("unknown opcode 0xFE 0x{second:02X} at {at}"))?;
+                (2 + operand, Branching::None)
+            }
+            _ => {
+                let operand = operand_size(opcode).ok_or_else(|| format!("unknown opcode 0x{opcode:02X} at {at}"))?;
+                let branch = match opcode {
+                    0x2B..=0x37 | 0xDE => Branching::Short(at + 1),
+                    0x38..=0x44 | 0xDD => Branching::Long(at + 1),
+                    _ => Branching::None,
+                };
+                (1 + operand, branch)
+            }
+        };
+        if at + size > code.len() {
+            return Err(format!("the instruction at {at} runs past the code"));
+        }
+        out.push(Instruction { offset: at, size, branch });
+        at += size;
+    }
     Ok(out)
+}
+
+/// The offset of the first `call` of `method` in `code` whose last
+/// argument is the method's argument `argument` (`ldarg.N` just before the
+/// call), if there is one.
+pub fn call_after_ldarg(method: &[u8], callee: u32, argument: u8) -> Result<Option<usize>, String> {
+    let ldarg = match argument {
+        0..=3 => 0x02 + argument,
+        _ => return Err(format!("argument {argument}: only 0 to 3")),
+    };
+    let body = parse(method)?;
+    let instructions = instructions(body.code)?;
+    Ok(instructions.windows(2).find_map(|pair| {
+        let (before, call) = (pair[0], pair[1]);
+        let is_call = body.code[call.offset] == 0x28 && u32_at(body.code, call.offset + 1).ok() == Some(callee);
+        (is_call && before.size == 1 && body.code[before.offset] == ldarg).then_some(call.offset)
+    }))
 }
 
 #[cfg(test)]
@@ -243,5 +445,116 @@ mod tests {
         m.extend_from_slice(&[0; 4]);
         m.extend_from_slice(&[0x02, 4, 0, 0]);
         assert!(prepend(&m, &[0], 0).unwrap_err().contains("kind 0x02"));
+    }
+    /// A fat body (maxstack 3, locals 0x11000001) of `code`, with `clauses`
+    /// (fat) when there are any.
+    fn fat(code: &[u8], clauses: &[Clause]) -> Vec<u8> {
+        write(0, 3, 0x1100_0001, code, clauses)
+    }
+
+    fn hex(s: &str) -> Vec<u8> {
+        s.split('-').map(|b| u8::from_str_radix(b, 16).unwrap()).collect()
+    }
+
+    /// `RhThrowEx` of CoreLib 10.0 (45 bytes), read by reflection.
+    const RH_THROW_EX_10: &str = "02-2D-15-03-7B-D5-10-00-04-7B-CA-10-00-04-0A-1E-06-28-14-4B-00-06-10-00-03-02-16-28-1E-4B-00-06-03-7C-DA-10-00-04-03-28-18-4B-00-06-2A";
+    /// `RhThrowHwEx` of CoreLib 10.0 (187 bytes, a `switch` and 24 branches).
+    const RH_THROW_HW_EX_10: &str = "03-7B-D5-10-00-04-7B-CA-10-00-04-0A-17-0B-16-0C-14-0D-02-20-02-00-00-80-35-12-02-2C-4B-02-1F-42-2E-4A-02-20-02-00-00-80-2E-48-2B-67-02-20-06-00-00-C0-35-12-02-20-05-00-00-C0-2E-3B-02-20-06-00-00-C0-2E-45-2B-4D-02-20-1D-00-00-C0-2E-36-02-20-94-00-00-C0-59-45-03-00-00-00-16-00-00-00-1A-00-00-00-28-00-00-00-2B-2B-1E-0C-2B-2F-16-0B-1E-0C-2B-29-1F-0A-0C-2B-24-1F-09-0C-2B-1F-1A-0C-2B-1B-1D-0C-2B-17-1F-0D-0C-2B-12-1F-0F-0C-2B-0D-1F-0E-0C-2B-08-17-14-06-28-10-4B-00-06-08-2C-08-08-06-28-14-4B-00-06-0D-03-09-07-28-1E-4B-00-06-03-7C-DA-10-00-04-03-28-18-4B-00-06-2A";
+    /// `DispatchEx`'s token in CoreLib 10.0.
+    const DISPATCH_EX_10: u32 = 0x0600_4B18;
+
+    /// Where each branch of `code` goes (offset of the branch, target).
+    fn targets(code: &[u8]) -> Vec<(usize, i64)> {
+        let mut out = Vec::new();
+        for i in instructions(code).unwrap() {
+            let next = (i.offset + i.size) as i64;
+            match i.branch {
+                Branching::None => {}
+                Branching::Short(o) => out.push((i.offset, next + code[o] as i8 as i64)),
+                Branching::Long(o) => {
+                    out.push((i.offset, next + i32::from_le_bytes(code[o..o + 4].try_into().unwrap()) as i64))
+                }
+                Branching::Switch(n) => {
+                    for k in 0..n {
+                        let o = i.offset + 5 + 4 * k;
+                        out.push((i.offset, next + i32::from_le_bytes(code[o..o + 4].try_into().unwrap()) as i64));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_call_goes_just_before_each_entry_points_call_of_dispatch_ex() {
+        for (source, call_at) in [(RH_THROW_EX_10, 39), (RH_THROW_HW_EX_10, 181)] {
+            let original = fat(&hex(source), &[]);
+            assert_eq!(call_after_ldarg(&original, DISPATCH_EX_10, 1).unwrap(), Some(call_at));
+            assert_eq!(call_after_ldarg(&original, DISPATCH_EX_10, 0).unwrap(), None);
+            assert_eq!(call_after_ldarg(&original, 0x0600_0001, 1).unwrap(), None);
+            let inserted = [0x00; 27];
+            let out = insert_before(&original, call_at, &inserted, 2).unwrap();
+            let body = parse(&out).unwrap();
+            let old = hex(source);
+            assert_eq!(body.code[..call_at], old[..call_at]);
+            assert_eq!(body.code[call_at..call_at + 27], inserted);
+            assert_eq!(body.code[call_at + 27..], old[call_at..]);
+            assert_eq!((body.max_stack, body.locals), (5, 0x1100_0001));
+            // Every branch of these methods stays before the call.
+            assert_eq!(targets(body.code), targets(&old));
+        }
+    }
+
+    #[test]
+    fn branches_across_the_inserted_code_are_moved_and_one_to_it_runs_it() {
+        // 0: br.s 10 (across)   2: brtrue 10 (across, long)   7: br.s 9
+        // 9: nop                10: nop (`at`)               11: switch(2) -> 9, 10
+        // 24: br.s 0 (back across)  26: ret
+        let mut code = vec![0x2B, 8, 0x3A];
+        code.extend_from_slice(&3i32.to_le_bytes());
+        code.extend_from_slice(&[0x2B, 0, 0x00, 0x00, 0x45]);
+        code.extend_from_slice(&2u32.to_le_bytes());
+        code.extend_from_slice(&(-15i32).to_le_bytes());
+        code.extend_from_slice(&(-14i32).to_le_bytes());
+        code.extend_from_slice(&[0x2B, (-26i8) as u8, 0x2A]);
+        assert_eq!(targets(&code), vec![(0, 10), (2, 10), (7, 9), (11, 9), (11, 10), (24, 0)]);
+        let out = insert_before(&fat(&code, &[]), 10, &[0x14, 0x26], 1).unwrap();
+        let body = parse(&out).unwrap();
+        // A branch to `at` now runs the inserted code (still at 10); what
+        // came after it moved by two.
+        assert_eq!(targets(body.code), vec![(0, 10), (2, 10), (7, 9), (13, 9), (13, 10), (26, 0)]);
+        assert_eq!(body.code[10..12], [0x14, 0x26]);
+    }
+
+    #[test]
+    fn regions_that_start_at_the_inserted_code_hold_it_and_those_that_end_there_do_not() {
+        let code = [0x00; 8];
+        let clause = |flags, try_offset, try_length, handler_offset, handler_length, class_or_filter| Clause {
+            flags,
+            try_offset,
+            try_length,
+            handler_offset,
+            handler_length,
+            class_or_filter,
+        };
+        let clauses = [clause(0, 0, 4, 4, 2, 0x0100_0005), clause(1, 4, 2, 7, 1, 6)];
+        let out = insert_before(&fat(&code, &clauses), 4, &[0x00; 3], 0).unwrap();
+        let body = parse(&out).unwrap();
+        assert_eq!(body.clauses, vec![clause(0, 0, 4, 4, 5, 0x0100_0005), clause(1, 4, 5, 10, 1, 9)]);
+    }
+
+    #[test]
+    fn what_cannot_be_rewritten_safely_is_refused() {
+        // A short branch that the inserted code puts out of its reach.
+        let mut code = vec![0x2B, 125];
+        code.extend_from_slice(&[0x00; 126]);
+        let err = insert_before(&fat(&code, &[]), 2, &[0x00; 8], 0).unwrap_err();
+        assert!(err.contains("no longer reaches"), "{err}");
+        // Not where an instruction starts (inside `ldc.i4`'s operand).
+        let code = [0x20, 1, 0, 0, 0, 0x2A];
+        assert!(insert_before(&fat(&code, &[]), 2, &[0x00], 0).unwrap_err().contains("offset 2"));
+        // An opcode ECMA-335 does not define.
+        assert!(insert_before(&fat(&[0x24, 0x2A], &[]), 0, &[0x00], 0).unwrap_err().contains("0x24"));
+        assert!(call_after_ldarg(&fat(&[0xFE, 0x08], &[]), 1, 1).unwrap_err().contains("0xFE 0x08"));
     }
 }

@@ -527,28 +527,33 @@ impl CorProfilerInfo {
         }
     }
 
-    /// Asks the runtime to compile `method` of `module` again, with the body
-    /// the profiler gives in `GetReJITParameters` (Info4). Suspends the
-    /// runtime: never from a callback.
-    pub fn request_rejit(&self, module: ModuleID, method: MdToken) -> HResult<()> {
+    /// Asks the runtime to compile `methods` (each in its module) again, with
+    /// the bodies the profiler gives in `GetReJITParameters` (Info4), in one
+    /// request: one suspension. Suspends the runtime: never from a callback.
+    pub fn request_rejit(&self, methods: &[(ModuleID, MdToken)]) -> HResult<()> {
         type F = unsafe extern "C" fn(*mut c_void, u32, *const ModuleID, *const MdToken) -> HRESULT;
-        // SAFETY: RequestReJIT(ULONG, ModuleID[], mdMethodDef[]).
+        let (modules, tokens): (Vec<ModuleID>, Vec<MdToken>) = methods.iter().copied().unzip();
+        // SAFETY: RequestReJIT(ULONG, ModuleID[], mdMethodDef[]), both
+        // arrays of the count given, alive for the call.
         unsafe {
             let f: F = self.method(slot::REQUEST_REJIT)?;
-            check(f(self.raw(), 1, &module, &method))
+            check(f(self.raw(), methods.len() as u32, modules.as_ptr(), tokens.as_ptr()))
         }
     }
 
-    /// Puts `method` of `module` back to its original code (Info4).
-    pub fn request_revert(&self, module: ModuleID, method: MdToken) -> HResult<()> {
+    /// Puts `methods` (each in its module) back to their original code
+    /// (Info4). The first failure, of the call or of a method, is the error.
+    pub fn request_revert(&self, methods: &[(ModuleID, MdToken)]) -> HResult<()> {
         type F = unsafe extern "C" fn(*mut c_void, u32, *const ModuleID, *const MdToken, *mut HRESULT) -> HRESULT;
-        let mut status: HRESULT = 0;
-        // SAFETY: RequestRevert(ULONG, ModuleID[], mdMethodDef[], HRESULT[]).
+        let (modules, tokens): (Vec<ModuleID>, Vec<MdToken>) = methods.iter().copied().unzip();
+        let mut statuses: Vec<HRESULT> = vec![0; methods.len()];
+        // SAFETY: RequestRevert(ULONG, ModuleID[], mdMethodDef[], HRESULT[]),
+        // the three arrays of the count given, alive for the call.
         unsafe {
             let f: F = self.method(slot::REQUEST_REVERT)?;
-            check(f(self.raw(), 1, &module, &method, &mut status))?;
+            check(f(self.raw(), methods.len() as u32, modules.as_ptr(), tokens.as_ptr(), statuses.as_mut_ptr()))?;
         }
-        check(status)
+        statuses.into_iter().try_for_each(check)
     }
 
     /// Walks a thread's managed stack, calling `visit` per frame, leaf first.

@@ -1,9 +1,11 @@
-//! A call into the agent at the start of the runtime's managed exception
-//! dispatch (.NET 9 and later), on the throwing thread: every throw,
-//! rethrow and hardware fault reaches `System.Runtime.EH.DispatchEx`, and
-//! ReJIT puts a few instructions before its code (see [`prologue`]) that
-//! call [`corsnap_exception_dispatched`] with the exception's `MethodTable`
-//! (its `ClassID`).
+//! A call into the agent as the runtime's managed exception dispatch
+//! starts (.NET 9 and later), on the throwing thread: every throw, rethrow
+//! and hardware fault reaches `System.Runtime.EH.DispatchEx` from one of
+//! three small entry points (`RhThrowEx`, `RhRethrow`, `RhThrowHwEx`), and
+//! ReJIT puts a few instructions (see [`hook_call`]) just before each one's
+//! call of `DispatchEx` (or, should that call not be found, before
+//! `DispatchEx`'s own code) that call [`corsnap_exception_dispatched`] with
+//! the exception's `MethodTable` (its `ClassID`).
 //!
 //! Why: on .NET 9 and 10 every way the runtime itself tells a profiler of
 //! a throw (the exception callbacks, EventPipe's `ExceptionThrown_V1`, a
@@ -22,9 +24,9 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 use corsnap_unwind::Regs;
 
 /// What the entry point runs: a function of the agent's, given its context,
-/// the exception's `ClassID` and the registers of the rewritten
-/// `DispatchEx`'s frame as the call returns to it (where a walk of the
-/// throwing thread's stack starts: the agent's own frames are not walked).
+/// the exception's `ClassID` and the registers of the rewritten method's
+/// frame as the call returns to it (where a walk of the throwing thread's
+/// stack starts: the agent's own frames are not walked).
 #[derive(Debug)]
 pub struct Handler {
     run: unsafe fn(*const (), usize, Regs),
@@ -76,13 +78,13 @@ pub fn set_handler(handler: Option<Handler>) {
     HANDLER.swap(new, Ordering::AcqRel);
 }
 
-/// Called by the rewritten `DispatchEx` once per dispatch, on the throwing
-/// thread, with the exception's `MethodTable`.
+/// Called by a rewritten method once per dispatch, on the throwing thread,
+/// with the exception's `MethodTable`.
 ///
 /// Three instructions: they hand [`exception_dispatched_from`] the address
 /// of the return address (the stack pointer at entry) and the caller's
-/// frame pointer, untouched at entry, so the walk starts at `DispatchEx`'s
-/// frame. Walking down from inside the agent instead went through eight of
+/// frame pointer, untouched at entry, so the walk starts at the rewritten
+/// method's frame. Walking down from inside the agent instead went through eight of
 /// its frames before reaching it, and a replayed walk checked each of their
 /// stack words at every throw.
 #[unsafe(naked)]
@@ -132,7 +134,7 @@ pub const CALLI_SIGNATURE: [u8; 4] = [0x01, 0x01, 0x01, 0x18];
 
 /// Signatures a `calli` of [`corsnap_exception_dispatched`] may use, as
 /// CoreLib may already hold them in its `StandAloneSig` table, with whether
-/// each returns an `int32` (which the prologue then pops). Making a new one
+/// each returns an `int32` (which the hook call then pops). Making a new one
 /// needs CoreLib's metadata opened for writing, which copies all of it: 20
 /// ms of the agent's start-up (.NET 10). The C calling convention or the
 /// platform's default for unmanaged code (`0x09`, the same on Linux x64),
@@ -145,18 +147,22 @@ pub const REUSABLE_SIGNATURES: [(&[u8], bool); 4] = [
     (&[0x09, 0x01, 0x08, 0x18], true),
 ];
 
-/// The evaluation stack [`prologue`] needs.
-pub const PROLOGUE_STACK: u16 = 2;
+/// The evaluation stack [`hook_call`] needs.
+pub const HOOK_CALL_STACK: u16 = 2;
 
-/// The instructions put before `DispatchEx(ref StackFrameIterator, ref
-/// ExInfo)`'s code: `ldarg.1; call instance object
-/// ExInfo::get_ThrownException(); call RuntimeHelpers::GetMethodTable(object);
-/// ldc.i8 <entry>; conv.i; calli <signature>` (and `pop` when
-/// `returns_int32`). `thrown_exception`, `get_method_table`: CoreLib's
-/// tokens (the exception's field itself is private to `ExInfo`, and the JIT
-/// checks access: `FieldAccessException`); `signature`: a `StandAloneSig`
-/// in CoreLib of one of [`REUSABLE_SIGNATURES`].
-pub fn prologue(thrown_exception: u32, get_method_table: u32, signature: u32, returns_int32: bool) -> Vec<u8> {
+/// The instructions that call the agent, for a method whose argument 1 is
+/// the dispatch's `ref ExInfo`, its exception already set: the entry
+/// points just before their call of `DispatchEx(ref StackFrameIterator, ref
+/// ExInfo)` (which they pass their own argument 1), or `DispatchEx` before
+/// its code. `ldarg.1; call instance object ExInfo::get_ThrownException();
+/// call RuntimeHelpers::GetMethodTable(object); ldc.i8 <entry>; conv.i;
+/// calli <signature>` (and `pop` when `returns_int32`): they leave the
+/// evaluation stack as they found it. `thrown_exception`,
+/// `get_method_table`: CoreLib's tokens (the exception's field itself is
+/// private to `ExInfo`, and the JIT checks access:
+/// `FieldAccessException`); `signature`: a `StandAloneSig` in CoreLib of
+/// one of [`REUSABLE_SIGNATURES`].
+pub fn hook_call(thrown_exception: u32, get_method_table: u32, signature: u32, returns_int32: bool) -> Vec<u8> {
     let entry = corsnap_exception_dispatched as *const () as usize as u64;
     let mut il = Vec::with_capacity(27);
     il.push(0x03); // ldarg.1
@@ -180,8 +186,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_prologue_loads_the_class_and_calls_the_entry() {
-        let il = prologue(0x0400_0010, 0x0600_0020, 0x1100_0030, false);
+    fn the_hook_call_loads_the_class_and_calls_the_entry() {
+        let il = hook_call(0x0400_0010, 0x0600_0020, 0x1100_0030, false);
         assert_eq!(il.len(), 26);
         assert_eq!(&il[..2], &[0x03, 0x28]);
         assert_eq!(&il[2..6], &0x0400_0010u32.to_le_bytes());
@@ -191,7 +197,7 @@ mod tests {
         assert_eq!(entry as usize, corsnap_exception_dispatched as *const () as usize);
         assert_eq!(&il[20..22], &[0xD3, 0x29]);
         assert_eq!(&il[22..], &0x1100_0030u32.to_le_bytes());
-        let popped = prologue(0x0400_0010, 0x0600_0020, 0x1100_0030, true);
+        let popped = hook_call(0x0400_0010, 0x0600_0020, 0x1100_0030, true);
         assert_eq!(popped[..26], il[..]);
         assert_eq!(popped[26..], [0x26]);
     }

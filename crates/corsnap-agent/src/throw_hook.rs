@@ -1,9 +1,21 @@
-//! Exceptions from a call at the start of the runtime's managed exception
-//! dispatch (.NET 9 and later): `System.Runtime.EH.DispatchEx` compiled
-//! again (ReJIT) with a prologue that calls the agent on the throwing
-//! thread (`corsnap_abi::throw_hook`). No exception callbacks, no EventPipe
-//! session: their cost on .NET 10 was the floor issue 18's target sat
-//! below.
+//! Exceptions from a call as the runtime's managed exception dispatch
+//! starts (.NET 9 and later): the three entry points that call
+//! `System.Runtime.EH.DispatchEx` (`RhThrowEx`, `RhRethrow`,
+//! `RhThrowHwEx`) compiled again (ReJIT) with a call of the agent just
+//! before that call, on the throwing thread (`corsnap_abi::throw_hook`). No
+//! exception callbacks, no EventPipe session: their cost on .NET 10 was the
+//! floor issue 18's target sat below.
+//!
+//! Why the entry points and not `DispatchEx` itself (as before): a body
+//! asked for by ReJIT starts at the method's first tier, and `DispatchEx`
+//! (313 bytes of IL on .NET 10) was compiled twice at instrumented Tier0
+//! and again at Tier1, and the small methods its precompiled code inlines
+//! were each called and compiled at two tiers while it ran at Tier0: 16
+//! more bodies for the runtime's tiering thread, which took that CPU from
+//! the program's threads. The entry points are 28 to 187 bytes, and leave
+//! `DispatchEx` precompiled. Should one of them not have the call where it
+//! is looked for (`corsnap_abi::il::call_after_ldarg`), `DispatchEx` is
+//! rewritten instead, with the call before its code.
 //!
 //! The agent asks for the ReJIT from the sampler thread (it suspends the
 //! runtime, never from a callback), as soon as CoreLib is loaded. Until
@@ -37,7 +49,7 @@ pub(crate) mod state {
     pub const REMOVED: u8 = 3;
 }
 
-/// The rewritten method: where it is, and the body given in
+/// A rewritten method: where it is, and the body given in
 /// `GetReJITParameters`.
 struct Rewritten {
     module: ModuleID,
@@ -45,7 +57,13 @@ struct Rewritten {
     body: Vec<u8>,
 }
 
-static REWRITTEN: Mutex<Option<Rewritten>> = Mutex::new(None);
+/// The methods rewritten (the three entry points, or `DispatchEx`).
+static REWRITTEN: Mutex<Vec<Rewritten>> = Mutex::new(Vec::new());
+
+/// The methods that call `DispatchEx`, each once, with their `ref ExInfo`
+/// as argument 1 (CoreLib 9.0 and 10.0, checked by a scan of every method
+/// body of both).
+const ENTRY_POINTS: [&str; 3] = ["RhThrowEx", "RhRethrow", "RhThrowHwEx"];
 
 /// The hook of one recording.
 #[derive(Debug, Default)]
@@ -88,7 +106,7 @@ fn core_library(info: &CorProfilerInfo) -> Result<Option<ModuleID>, String> {
     }
 }
 
-/// Builds the rewritten `DispatchEx` and asks for its ReJIT. `Ok(false)`:
+/// Builds the rewritten methods and asks for their ReJIT. `Ok(false)`:
 /// CoreLib is not loaded yet (ask again later).
 pub(crate) fn request(info: &CorProfilerInfo, handler: throw_hook::Handler) -> Result<bool, String> {
     let Some(core) = core_library(info)? else { return Ok(false) };
@@ -111,28 +129,61 @@ pub(crate) fn request(info: &CorProfilerInfo, handler: throw_hook::Handler) -> R
             (step("the call's signature", emit.get_token_from_sig(&throw_hook::CALLI_SIGNATURE))?, false)
         }
     };
-    let original = info.get_il_function_body(core, dispatch).map_err(|e| format!("DispatchEx's IL: {e}"))?;
-    let prologue = throw_hook::prologue(exception, get_method_table, signature, returns_int32);
-    let body = corsnap_abi::il::prepend(&original, &prologue, throw_hook::PROLOGUE_STACK)
-        .map_err(|e| format!("DispatchEx's IL: {e}"))?;
-    *REWRITTEN.lock().unwrap_or_else(|p| p.into_inner()) = Some(Rewritten { module: core, method: dispatch, body });
+    let call = throw_hook::hook_call(exception, get_method_table, signature, returns_int32);
+    let rewritten = match entry_points_rewritten(info, &import, core, eh, dispatch, &call) {
+        Ok(rewritten) => rewritten,
+        Err(e) => {
+            crate::log::write(format_args!("exceptions: {e}; DispatchEx is rewritten instead"));
+            let original = info.get_il_function_body(core, dispatch).map_err(|e| format!("DispatchEx's IL: {e}"))?;
+            let body = corsnap_abi::il::prepend(&original, &call, throw_hook::HOOK_CALL_STACK)
+                .map_err(|e| format!("DispatchEx's IL: {e}"))?;
+            vec![Rewritten { module: core, method: dispatch, body }]
+        }
+    };
+    let methods: Vec<(ModuleID, MdToken)> = rewritten.iter().map(|r| (r.module, r.method)).collect();
+    let names = if rewritten.len() == 1 { "DispatchEx".to_string() } else { ENTRY_POINTS.join(", ") };
+    crate::log::write(format_args!("exceptions: the agent's call goes into {names}"));
+    *REWRITTEN.lock().unwrap_or_else(|p| p.into_inner()) = rewritten;
     throw_hook::set_handler(Some(handler));
-    info.request_rejit(core, dispatch).map_err(|e| format!("RequestReJIT: {e}"))?;
+    info.request_rejit(&methods).map_err(|e| format!("RequestReJIT: {e}"))?;
     Ok(true)
+}
+
+/// The three entry points, each with `call` put just before its call of
+/// `dispatch`, or why not.
+fn entry_points_rewritten(
+    info: &CorProfilerInfo,
+    import: &corsnap_abi::MetaDataImport,
+    core: ModuleID,
+    eh: MdToken,
+    dispatch: MdToken,
+    call: &[u8],
+) -> Result<Vec<Rewritten>, String> {
+    ENTRY_POINTS
+        .iter()
+        .map(|&name| {
+            let method = import.find_method(eh, name).map_err(|e| format!("EH.{name}: {e}"))?;
+            let original = info.get_il_function_body(core, method).map_err(|e| format!("{name}'s IL: {e}"))?;
+            let at = corsnap_abi::il::call_after_ldarg(&original, dispatch, 1)
+                .map_err(|e| format!("{name}'s IL: {e}"))?
+                .ok_or_else(|| format!("{name} has no call of DispatchEx with its argument 1"))?;
+            let body = corsnap_abi::il::insert_before(&original, at, call, throw_hook::HOOK_CALL_STACK)
+                .map_err(|e| format!("{name}'s IL: {e}"))?;
+            Ok(Rewritten { module: core, method, body })
+        })
+        .collect()
 }
 
 /// `GetReJITParameters`: the rewritten body, for the method asked for.
 pub(crate) fn rejit_parameters(module: ModuleID, method: MdToken, control: FunctionControl) -> Result<(), String> {
     let rewritten = REWRITTEN.lock().unwrap_or_else(|p| p.into_inner());
-    match rewritten.as_ref() {
-        Some(r) if r.module == module && r.method == method => {
-            control.set_il_function_body(&r.body).map_err(|e| format!("SetILFunctionBody: {e}"))
-        }
-        _ => Ok(()),
+    match rewritten.iter().find(|r| r.module == module && r.method == method) {
+        Some(r) => control.set_il_function_body(&r.body).map_err(|e| format!("SetILFunctionBody: {e}")),
+        None => Ok(()),
     }
 }
 
-/// Takes the hook out before a detach: no handler, the original method
+/// Takes the hook out before a detach: no handler, the original methods
 /// back. (The library stays loaded: see `throw_hook::set_handler`.)
 pub(crate) fn remove(info: &CorProfilerInfo, hook: &ThrowHook) {
     let was = hook.state.swap(state::REMOVED, Ordering::SeqCst);
@@ -140,9 +191,11 @@ pub(crate) fn remove(info: &CorProfilerInfo, hook: &ThrowHook) {
         return;
     }
     throw_hook::set_handler(None);
-    if let Some(r) = REWRITTEN.lock().unwrap_or_else(|p| p.into_inner()).take() {
-        if let Err(e) = info.request_revert(r.module, r.method) {
-            crate::log::write(format_args!("RequestRevert of DispatchEx: {e}"));
+    let rewritten = std::mem::take(&mut *REWRITTEN.lock().unwrap_or_else(|p| p.into_inner()));
+    let methods: Vec<(ModuleID, MdToken)> = rewritten.iter().map(|r| (r.module, r.method)).collect();
+    if !methods.is_empty() {
+        if let Err(e) = info.request_revert(&methods) {
+            crate::log::write(format_args!("RequestRevert of the dispatch hook's methods: {e}"));
         }
     }
 }
