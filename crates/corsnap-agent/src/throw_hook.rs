@@ -130,7 +130,14 @@ pub(crate) fn request(info: &CorProfilerInfo, handler: throw_hook::Handler) -> R
         }
     };
     let call = throw_hook::hook_call(exception, get_method_table, signature, returns_int32);
-    let rewritten = match entry_points_rewritten(info, &import, core, eh, dispatch, &call) {
+    // `CORSNAP_TEST_HOOK_AT_DISPATCH=1` (tests): the way taken when an entry
+    // point is not as expected, which no runtime served here takes.
+    let at_entry_points = if std::env::var("CORSNAP_TEST_HOOK_AT_DISPATCH").is_ok_and(|v| v == "1") {
+        Err("CORSNAP_TEST_HOOK_AT_DISPATCH=1".to_string())
+    } else {
+        entry_points_rewritten(info, &import, core, eh, dispatch, &call)
+    };
+    let rewritten = match at_entry_points {
         Ok(rewritten) => rewritten,
         Err(e) => {
             crate::log::write(format_args!("exceptions: {e}; DispatchEx is rewritten instead"));

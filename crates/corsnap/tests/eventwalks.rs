@@ -148,13 +148,43 @@ fn exact(runtime: Runtime) {
 /// See the module's notes (`throw_kinds`).
 fn throw_kinds(runtime: Runtime) {
     let managed_dispatch = runtime != Runtime::Net8;
-    for (walker, hook) in [("native", "1"), ("snapshot", "1"), ("native", "0")] {
-        let dir = scratch(&format!("eventwalks-throwkinds-{runtime:?}-{walker}-hook{hook}"));
+    // `at-dispatch`: the hook's call at the start of `DispatchEx`, the way
+    // taken should the entry points not be as expected.
+    for (walker, hook) in [("native", "1"), ("snapshot", "1"), ("native", "0"), ("native", "at-dispatch")] {
+        let dir = scratch(&format!("eventwalks-throwkinds-{runtime:?}-{walker}-hook-{hook}"));
         let out = dir.join("p.txt");
-        let args = ["-f", "collapsed", "-e", "exceptions", "--walker", walker, "-o", out.to_str().unwrap()];
-        let output = record_with_env(runtime, "throwkinds", &[], &args, &[("CORSNAP_EXCEPTION_HOOK", hook)], None);
+        let log = dir.join("agent.log");
+        let args = [
+            "-f",
+            "collapsed",
+            "-e",
+            "exceptions",
+            "--walker",
+            walker,
+            "--agent-log",
+            log.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ];
+        let env = match hook {
+            "at-dispatch" => [("CORSNAP_EXCEPTION_HOOK", "1"), ("CORSNAP_TEST_HOOK_AT_DISPATCH", "1")],
+            _ => [("CORSNAP_EXCEPTION_HOOK", hook), ("CORSNAP_TEST_HOOK_AT_DISPATCH", "0")],
+        };
+        let output = record_with_env(runtime, "throwkinds", &[], &args, &env, None);
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(output.status.success(), "{stderr}");
+        let log = std::fs::read_to_string(&log).unwrap_or_default();
+        let rewritten = match hook {
+            _ if !managed_dispatch => None,
+            "1" => Some("the agent's call goes into RhThrowEx, RhRethrow, RhThrowHwEx"),
+            "at-dispatch" => Some("the agent's call goes into DispatchEx"),
+            _ => None,
+        };
+        assert_eq!(
+            rewritten.is_some_and(|r| log.contains(r)) && log.contains("exceptions: from the dispatch hook"),
+            rewritten.is_some(),
+            "{walker}, hook {hook}:\n{log}"
+        );
         assert!(String::from_utf8_lossy(&output.stdout).contains("done 900"), "{stderr}");
         let stacks = parse_collapsed(&std::fs::read_to_string(&out).unwrap());
         let exactly = |method: &str, exception: &str| -> u64 {
