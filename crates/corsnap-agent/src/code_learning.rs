@@ -593,8 +593,8 @@ pub fn corelib_image() -> Option<ManagedCode> {
 
 /// ReJIT versions of methods (`(FunctionID, ReJITID)`), from
 /// `ReJITCompilationFinished`: their code starts are asked for beside the
-/// original's when the function is learned (the exception hook's
-/// `DispatchEx`; without it every throw walked through code not known and
+/// original's when the function is learned (the exception hook's rewritten
+/// entry points; without it every throw walked through code not known and
 /// copied its stack until the sampler thread learned it from a copy, a
 /// thousand times a run of `validate` with CPU sampling).
 static REJIT_VERSIONS: std::sync::Mutex<Vec<(FunctionID, usize)>> = std::sync::Mutex::new(Vec::new());

@@ -680,8 +680,8 @@ fn benchmark_floor_switches_do_the_runtimes_part_and_record_nothing() {
 
 on_each_runtime!(exceptions_come_from_a_call_in_the_runtimes_own_dispatch_on_net9_and_later, exceptions_from_the_hook);
 
-/// On .NET 9 and later throws come from the call the agent puts at the
-/// start of `System.Runtime.EH.DispatchEx` (ReJIT), exactly counted; with
+/// On .NET 9 and later throws come from the call the agent puts where
+/// `System.Runtime.EH`'s dispatch starts (ReJIT), exactly counted; with
 /// `CORSNAP_EXCEPTION_HOOK=0`, from EventPipe, the same counts. .NET 8 has
 /// no managed dispatch and keeps its callbacks.
 fn exceptions_from_the_hook(runtime: Runtime) {
@@ -714,7 +714,7 @@ fn exceptions_from_the_hook(runtime: Runtime) {
 
 /// A launched program that outlives its recording of exceptions on .NET 10
 /// runs on to its end: the agent cannot leave (a profiler that enabled
-/// ReJIT may not detach), so it puts `DispatchEx` back and stays idle.
+/// ReJIT may not detach), so it puts the dispatch back and stays idle.
 #[test]
 fn a_program_outliving_its_exception_recording_runs_on_with_its_dispatch_put_back() {
     let dir = scratch("exceptions-outlived");
