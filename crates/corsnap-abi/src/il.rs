@@ -177,39 +177,18 @@ pub fn insert_before(method: &[u8], at: usize, inserted: &[u8], inserted_stack: 
     code.extend_from_slice(&body.code[at..]);
     for i in &instructions {
         // The instruction's own new offset: it moves when it is at `at` or after.
-        let new_offset = if i.offset >= at { i.offset as i64 + len } else { i.offset as i64 };
-        let next = i.offset as i64 + i.size as i64;
-        let new_next = new_offset + i.size as i64;
-        match i.branch {
-            Branching::None => {}
-            Branching::Short(operand) | Branching::Long(operand) => {
-                let width = if matches!(i.branch, Branching::Short(_)) { 1 } else { 4 };
-                let old = if width == 1 {
-                    body.code[operand] as i8 as i64
-                } else {
-                    i32::from_le_bytes(body.code[operand..operand + 4].try_into().expect("four bytes")) as i64
-                };
-                let relative = moved(next + old) - new_next;
-                let at_in_new = (new_offset - i.offset as i64) as usize + operand;
-                if width == 1 {
-                    let short = i8::try_from(relative)
-                        .map_err(|_| format!("the short branch at {} no longer reaches its target", i.offset))?;
-                    code[at_in_new] = short as u8;
-                } else {
-                    let long = i32::try_from(relative).map_err(|_| "a branch out of reach".to_string())?;
-                    code[at_in_new..at_in_new + 4].copy_from_slice(&long.to_le_bytes());
-                }
-            }
-            Branching::Switch(targets) => {
-                for n in 0..targets {
-                    let operand = i.offset + 5 + n * 4;
-                    let old =
-                        i32::from_le_bytes(body.code[operand..operand + 4].try_into().expect("four bytes")) as i64;
-                    let relative = i32::try_from(moved(next + old) - new_next)
-                        .map_err(|_| "a switch target out of reach".to_string())?;
-                    let at_in_new = (new_offset - i.offset as i64) as usize + operand;
-                    code[at_in_new..at_in_new + 4].copy_from_slice(&relative.to_le_bytes());
-                }
+        let shift = if i.offset >= at { inserted.len() } else { 0 };
+        let next = (i.offset + i.size) as i64;
+        for (operand, width) in i.offset_fields() {
+            let relative = moved(next + read_offset(body.code, operand, width)) - (next + shift as i64);
+            let field = &mut code[operand + shift..operand + shift + width];
+            if width == 1 {
+                let short = i8::try_from(relative)
+                    .map_err(|_| format!("the short branch at {} no longer reaches its target", i.offset))?;
+                field[0] = short as u8;
+            } else {
+                let long = i32::try_from(relative).map_err(|_| format!("the branch at {} out of reach", i.offset))?;
+                field.copy_from_slice(&long.to_le_bytes());
             }
         }
     }
@@ -286,6 +265,29 @@ struct Instruction {
     branch: Branching,
 }
 
+impl Instruction {
+    /// Its branch offsets, each relative to the next instruction: where
+    /// each is in the code, and its width in bytes (1 or 4).
+    fn offset_fields(&self) -> impl Iterator<Item = (usize, usize)> {
+        let (first, count, width) = match self.branch {
+            Branching::None => (0, 0, 4),
+            Branching::Short(operand) => (operand, 1, 1),
+            Branching::Long(operand) => (operand, 1, 4),
+            Branching::Switch(targets) => (self.offset + 5, targets, 4),
+        };
+        (0..count).map(move |k| (first + k * width, width))
+    }
+}
+
+/// A branch offset of `width` bytes (1 or 4) at `at` in `code`, signed.
+fn read_offset(code: &[u8], at: usize, width: usize) -> i64 {
+    if width == 1 {
+        code[at] as i8 as i64
+    } else {
+        i32::from_le_bytes([code[at], code[at + 1], code[at + 2], code[at + 3]]) as i64
+    }
+}
+
 /// The size of a one-byte opcode's operand (`None`: no such opcode;
 /// `switch` is read apart).
 fn operand_size(opcode: u8) -> Option<usize> {
@@ -349,9 +351,9 @@ fn instructions(code: &[u8]) -> Result<Vec<Instruction>, String> {
     Ok(out)
 }
 
-/// The offset of the first `call` of `method` in `code` whose last
-/// argument is the method's argument `argument` (`ldarg.N` just before the
-/// call), if there is one.
+/// The offset in `method`'s code of its first `call` of `callee` whose
+/// last argument is `method`'s own argument `argument` (`ldarg.N` just
+/// before the call), if there is one.
 pub fn call_after_ldarg(method: &[u8], callee: u32, argument: u8) -> Result<Option<usize>, String> {
     let ldarg = match argument {
         0..=3 => 0x02 + argument,
@@ -465,24 +467,14 @@ mod tests {
 
     /// Where each branch of `code` goes (offset of the branch, target).
     fn targets(code: &[u8]) -> Vec<(usize, i64)> {
-        let mut out = Vec::new();
-        for i in instructions(code).unwrap() {
-            let next = (i.offset + i.size) as i64;
-            match i.branch {
-                Branching::None => {}
-                Branching::Short(o) => out.push((i.offset, next + code[o] as i8 as i64)),
-                Branching::Long(o) => {
-                    out.push((i.offset, next + i32::from_le_bytes(code[o..o + 4].try_into().unwrap()) as i64))
-                }
-                Branching::Switch(n) => {
-                    for k in 0..n {
-                        let o = i.offset + 5 + 4 * k;
-                        out.push((i.offset, next + i32::from_le_bytes(code[o..o + 4].try_into().unwrap()) as i64));
-                    }
-                }
-            }
-        }
-        out
+        instructions(code)
+            .unwrap()
+            .iter()
+            .flat_map(|i| {
+                let next = (i.offset + i.size) as i64;
+                i.offset_fields().map(move |(at, width)| (i.offset, next + read_offset(code, at, width)))
+            })
+            .collect()
     }
 
     #[test]

@@ -106,10 +106,10 @@ fn core_library(info: &CorProfilerInfo) -> Result<Option<ModuleID>, String> {
     }
 }
 
-/// Builds the rewritten methods and asks for their ReJIT. `Ok(false)`:
-/// CoreLib is not loaded yet (ask again later).
-pub(crate) fn request(info: &CorProfilerInfo, handler: throw_hook::Handler) -> Result<bool, String> {
-    let Some(core) = core_library(info)? else { return Ok(false) };
+/// Builds the rewritten methods and asks for their ReJIT; their names, for
+/// the log. `Ok(None)`: CoreLib is not loaded yet (ask again later).
+pub(crate) fn request(info: &CorProfilerInfo, handler: throw_hook::Handler) -> Result<Option<String>, String> {
+    let Some(core) = core_library(info)? else { return Ok(None) };
     let step = |what: &str, r: HResult<MdToken>| r.map_err(|e| format!("{what}: {e}"));
     let import = info.get_module_metadata(core).map_err(|e| format!("CoreLib's metadata: {e}"))?;
     let eh = step("System.Runtime.EH", import.find_type_def_by_name("System.Runtime.EH", 0))?;
@@ -137,23 +137,21 @@ pub(crate) fn request(info: &CorProfilerInfo, handler: throw_hook::Handler) -> R
     } else {
         entry_points_rewritten(info, &import, core, eh, dispatch, &call)
     };
-    let rewritten = match at_entry_points {
-        Ok(rewritten) => rewritten,
+    let (rewritten, names) = match at_entry_points {
+        Ok(rewritten) => (rewritten, ENTRY_POINTS.join(", ")),
         Err(e) => {
             crate::log::write(format_args!("exceptions: {e}; DispatchEx is rewritten instead"));
             let original = info.get_il_function_body(core, dispatch).map_err(|e| format!("DispatchEx's IL: {e}"))?;
             let body = corsnap_abi::il::prepend(&original, &call, throw_hook::HOOK_CALL_STACK)
                 .map_err(|e| format!("DispatchEx's IL: {e}"))?;
-            vec![Rewritten { module: core, method: dispatch, body }]
+            (vec![Rewritten { module: core, method: dispatch, body }], "DispatchEx".to_string())
         }
     };
     let methods: Vec<(ModuleID, MdToken)> = rewritten.iter().map(|r| (r.module, r.method)).collect();
-    let names = if rewritten.len() == 1 { "DispatchEx".to_string() } else { ENTRY_POINTS.join(", ") };
-    crate::log::write(format_args!("exceptions: the agent's call goes into {names}"));
     *REWRITTEN.lock().unwrap_or_else(|p| p.into_inner()) = rewritten;
     throw_hook::set_handler(Some(handler));
     info.request_rejit(&methods).map_err(|e| format!("RequestReJIT: {e}"))?;
-    Ok(true)
+    Ok(Some(names))
 }
 
 /// The three entry points, each with `call` put just before its call of
