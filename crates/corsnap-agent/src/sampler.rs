@@ -620,7 +620,7 @@ impl SamplerLoop {
         // The loader's objects are read once a round, for this and for the
         // walker's refresh.
         let loaded = self.shared.native_event_walks.then(corsnap_abi::process::loaded_objects);
-        let tables = crate::event_walks::tables_wanted();
+        let tables = crate::event_walks::tables_wanted(self.shared.records(EventKind::Alloc));
         if let Some((objects, counters)) = &loaded {
             if tables && *counters != self.tables_built_for {
                 self.tables_built_for = *counters;
