@@ -55,6 +55,8 @@ const REWALK_ROUNDS: usize = 8;
 /// about 20 ms of compiling at the 0.3 to 0.4 µs a frame the tables save
 /// (measured on `alloc`, .NET 8).
 pub(crate) const TABLES_AFTER_NATIVE_FRAMES: u64 = 50_000;
+/// The same with allocations recorded (see [`tables_wanted`]).
+pub(crate) const ALLOC_TABLES_AFTER_NATIVE_FRAMES: u64 = 5_000;
 
 /// Whether the event walker should have the row tables of the modules
 /// event stacks pass through (`Tables::EventStacks`) by now.
@@ -71,31 +73,30 @@ pub(crate) const TABLES_AFTER_NATIVE_FRAMES: u64 = 50_000;
 /// have paid for ([`TABLES_AFTER_NATIVE_FRAMES`]): never costing more than
 /// twice the better choice made in hindsight.
 ///
-/// Allocation ticks are the exception to renting: every tick's walk starts
-/// in the agent's EventPipe callback, under the runtime's allocator and
-/// EventPipe's dispatch, and steps 8 or so native frames one by one before
-/// it meets managed code, a thousand walks a second (one stack a
-/// millisecond, `ALLOC_STACK_INTERVAL_NS`). So when allocations are
-/// recorded (`records_alloc`) the tables are bought at once. Measured on
-/// `alloc` (.NET 8, `perf` of the program's thread, three pairs): the
-/// agent's share of that thread fell from 1.06..1.26% to 0.66..0.74%, the
-/// walk from about 16 µs to 8 µs; with renting the run ended before the
-/// 50,000 frames that would have bought them.
+/// Allocation ticks rent for a shorter while
+/// ([`ALLOC_TABLES_AFTER_NATIVE_FRAMES`]): every tick's walk starts in the
+/// agent's EventPipe callback, 16 runtime frames above the allocating code
+/// (the allocation helper, the GC's allocator and its tick, EventPipe's
+/// dispatch), and steps 8 or so of them one by one, up to a thousand walks
+/// a second (`ALLOC_STACK_INTERVAL_NS`): the tables will pay for themselves,
+/// and a 2 to 4 s run of `alloc` ended before 50,000 frames bought them.
+/// 5,000 frames (about half a second of such walks) keeps the compiling
+/// out of the program's first moments. Measured on `alloc` (.NET 8, `perf`
+/// of the program's thread, 4 kHz): the agent's share 0.93 to 1.10%
+/// against 1.60 to 2.18% (six pairs on a slow stretch of the host); with
+/// the tables from the first round, 0.37 to 0.69% against 0.56 to 0.74%
+/// (eleven pairs on fast stretches). The elapsed time did not tell the
+/// three apart (24 interleaved rounds).
 ///
 /// `CORSNAP_TEST_EVENT_TABLES_AFTER=N` (tests only) sets the count: 0 has
 /// the tables compiled from the first round, as before, for the walkers'
 /// comparison to cover walks by the tables too.
 pub(crate) fn tables_wanted(records_alloc: bool) -> bool {
-    if records_alloc {
-        return true;
-    }
-    static AFTER: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    let after = *AFTER.get_or_init(|| {
-        std::env::var("CORSNAP_TEST_EVENT_TABLES_AFTER")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(TABLES_AFTER_NATIVE_FRAMES)
-    });
+    static AFTER: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    let after =
+        AFTER.get_or_init(|| std::env::var("CORSNAP_TEST_EVENT_TABLES_AFTER").ok().and_then(|v| v.parse().ok()));
+    let after =
+        after.unwrap_or(if records_alloc { ALLOC_TABLES_AFTER_NATIVE_FRAMES } else { TABLES_AFTER_NATIVE_FRAMES });
     corsnap_abi::event_walk::native_frames_stepped() >= after
 }
 
