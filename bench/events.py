@@ -29,7 +29,8 @@ runtime tells code in the process of a throw: an empty
 (bench/programs/firstchance_hook.cs), and one that calls the agent, which
 makes the native walk (on neither the callbacks nor EventPipe). The
 alloc workload has one too (CORSNAP_BENCH_ALLOC_SESSION_ONLY): the runtime
-delivering its allocation ticks to an agent that ignores them.
+delivering its allocation ticks to an agent that ignores them (started
+with the snapshot walker, whose start-up is the lighter).
 
     python3 bench/events.py [--rounds 7] [--runtimes 8,10] [--workloads validate,alloc]
 """
@@ -151,7 +152,11 @@ def main():
         program = [dotnet, dll, workload, str(sizes[workload])]
         event = WORKLOADS[workload][0]
         e = dict(env)
-        walker = "snapshot" if mode.endswith("snapshot") else "native"
+        # The allocation floor runs the snapshot walker: the agent ignores
+        # the ticks either way, and the native walker's start-up (75 to 160
+        # ms of the sampler thread's CPU on `alloc`, .NET 8, against 6 to 8)
+        # is corsnap's, not the runtime's delivery.
+        walker = "snapshot" if mode.endswith("snapshot") or mode == "session" else "native"
         if mode == "none":
             cmd = program
         elif mode == "firstchance":
