@@ -215,7 +215,9 @@ def main():
     load = open("/proc/loadavg").read().split()[:3]
     print(f"\nmedian of {args.rounds} interleaved rounds, {os.cpu_count()} CPUs, load average at the end "
           f"{' '.join(load)}\n")
-    print("Slowdown: the ratio of medians; paired: the median of each round's ratio (middle half in brackets).\n"
+    print("Slowdown: the ratio of medians; paired: the median of each round's ratio (middle half in brackets);\n"
+          "fastest: the ratio of the fastest runs (this host runs a whole program up to 1.7 times slower for\n"
+          "stretches of seconds to minutes; the fastest run of each row is the least touched by them).\n"
           "Floor rows record nothing: the agent only takes the runtime's exception callbacks (monitor), or EventPipe's\n"
           "event (eventpipe), and also makes the synchronous walk exact stacks need, with either walker; a startup\n"
           "hook's FirstChanceException handler does nothing, without corsnap (firstchance), or calls the agent's walk\n"
@@ -223,8 +225,8 @@ def main():
           "them (session). corsnap's share: of the CPU profile recorded with\n"
           f"the exceptions or allocations at {args.cpu_rate} Hz (the weight of stacks with a frame of corsnap's agent), median and\n"
           "range over rounds.\n")
-    print("| .NET | workload | agent does | no profiler | corsnap | slowdown | paired | added per unit | target |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| .NET | workload | agent does | no profiler | corsnap | slowdown | paired | fastest | added per unit | target |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for rt in runtimes:
         for workload in chosen:
             event, unit, per_item, target = WORKLOADS[workload]
@@ -243,13 +245,14 @@ def main():
                             + (" (target 2%)" if mode == "cpu" and event == "exceptions" else ""))
                 print(f"| {rt} | {workload} (`-e {event}`) | {label} | {base:.0f} ms | {prof:.0f} ms "
                       f"| {prof / base:.3f} ({(prof / base - 1) * 100:+.1f}%) | {paired_slowdown(base_times, times)} "
+                      f"| {(min(times) / min(base_times) - 1) * 100:+.1f}% "
                       f"| {added_us:.2f} µs per {unit} (of {base * 1000 / units:.2f}) | {note} |")
             if workload == "alloc" and args.floors and not args.modes:
                 session = statistics.median(results[(rt, workload, "session")])
                 for mode in ["record", "record-snapshot"]:
                     prof = statistics.median(results[(rt, workload, mode)])
                     print(f"| {rt} | alloc | corsnap's share over the runtime's delivery ({LABELS[mode]}) | | | "
-                          f"{(prof - session) / base * 100:+.1f}% of the run | | | |")
+                          f"{(prof - session) / base * 100:+.1f}% of the run | | | | |")
 
 
 if __name__ == "__main__":

@@ -95,9 +95,13 @@ pub(crate) fn tables_wanted(records_alloc: bool) -> bool {
     static AFTER: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
     let after =
         AFTER.get_or_init(|| std::env::var("CORSNAP_TEST_EVENT_TABLES_AFTER").ok().and_then(|v| v.parse().ok()));
-    let after =
-        after.unwrap_or(if records_alloc { ALLOC_TABLES_AFTER_NATIVE_FRAMES } else { TABLES_AFTER_NATIVE_FRAMES });
-    corsnap_abi::event_walk::native_frames_stepped() >= after
+    corsnap_abi::event_walk::native_frames_stepped() >= tables_after(*after, records_alloc)
+}
+
+/// The native frames after which [`tables_wanted`] says yes: the test
+/// override, else the count for what is recorded.
+fn tables_after(test_override: Option<u64>, records_alloc: bool) -> u64 {
+    test_override.unwrap_or(if records_alloc { ALLOC_TABLES_AFTER_NATIVE_FRAMES } else { TABLES_AFTER_NATIVE_FRAMES })
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -631,5 +635,18 @@ impl EventWalker {
             m.publish(self.map.clone());
         }
         self.map_dirty = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocations_buy_the_tables_sooner_and_the_test_override_wins() {
+        assert_eq!(tables_after(None, false), TABLES_AFTER_NATIVE_FRAMES);
+        assert_eq!(tables_after(None, true), ALLOC_TABLES_AFTER_NATIVE_FRAMES);
+        assert_eq!(tables_after(Some(0), true), 0);
+        assert_eq!(tables_after(Some(7), false), 7);
     }
 }
